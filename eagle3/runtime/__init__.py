@@ -1,5 +1,7 @@
-"""Runtime: static KV cache, model/tokenizer loading, packaged assets."""
-from .kv_cache import KVCache
-from .loader import ModelSource, load_model, load_tokenizer, resolve_model
+"""Runtime: static KV cache (kv_cache), model/tokenizer loading (loader), packaged assets (assets).
 
-__all__ = ["KVCache", "ModelSource", "load_model", "load_tokenizer", "resolve_model"]
+Import the loader as `eagle3.runtime.loader` (it depends on eagle3.models, which depends on the cache).
+"""
+from .kv_cache import KVCache
+
+__all__ = ["KVCache"]
