@@ -1,0 +1,111 @@
+"""The generation API used by the CLI, the server and the bench.
+
+An Engine owns a target (and optionally a draft), their preallocated caches and the tokenizer. It
+serves one sequence at a time; `stream` yields Chunks, `generate` collects them into a
+GenerationResult. The per-step token source is a Decoder: PlainDecoder, or the speculative decoder
+from eagle3.spec when a draft is attached.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterator, Optional, Sequence
+
+from ..errors import InputError
+from .plain import PlainDecoder
+from .sampling import SamplingParams
+from .text import TextStream, encode_prompt
+from .types import Chunk, Decoder, GenerationResult, Step
+
+
+class Engine:
+    def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048):
+        self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
+        self.max_model_len = max_model_len
+        slack = getattr(spec, "num_draft_tokens", 0) + 1
+        self.cache = target.new_cache(max_model_len + slack)
+        self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None
+        self.eos_ids = set(getattr(target.config, "eos_token_ids", ()) or ())
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            self.eos_ids.add(int(tokenizer.eos_token_id))
+        self.monitor = None
+        if draft is not None:
+            from ..spec.monitor import AcceptanceMonitor
+            self.monitor = AcceptanceMonitor()
+
+    # ------------------------------------------------------------------ entry points
+    def encode(self, prompt: Optional[str] = None, messages: Optional[Sequence[dict]] = None,
+               chat: bool = True) -> list[int]:
+        return encode_prompt(self.tokenizer, prompt, messages, chat)
+
+    def generate(self, prompt: Optional[str] = None, params: SamplingParams = SamplingParams(),
+                 messages: Optional[Sequence[dict]] = None, chat: bool = True,
+                 prompt_ids: Optional[list[int]] = None, speculative: bool = True) -> GenerationResult:
+        result = None
+        for chunk in self.stream(prompt, params, messages, chat, prompt_ids, speculative):
+            result = chunk.result or result
+        return result
+
+    def stream(self, prompt: Optional[str] = None, params: SamplingParams = SamplingParams(),
+               messages: Optional[Sequence[dict]] = None, chat: bool = True,
+               prompt_ids: Optional[list[int]] = None, speculative: bool = True) -> Iterator[Chunk]:
+        ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages, chat)
+        self.check_length(len(ids), params.max_new_tokens)
+        decoder = self.make_decoder(params, speculative)
+        yield from self.run(decoder, ids, params)
+
+    def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
+        if prompt_len == 0:
+            raise InputError("empty prompt: give some text or chat messages")
+        if prompt_len + max_new_tokens > self.max_model_len:
+            raise InputError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+                f"{prompt_len + max_new_tokens} exceeds the context ({self.max_model_len} tokens); "
+                "shorten the prompt or lower max_new_tokens")
+
+    def make_decoder(self, params: SamplingParams, speculative: bool = True) -> Decoder:
+        if self.draft is None or not speculative:
+            return PlainDecoder(self.target, self.cache, params)
+        from ..spec.engine import SpecDecoder
+        return SpecDecoder(self.target, self.draft, self.cache, self.draft_cache, params, self.spec)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, decoder: Decoder, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
+        """prefill -> step ... ; cut at eos / stop strings / max_new_tokens; yield text deltas."""
+        text = TextStream(self.tokenizer, params.stop)
+        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        out_ids: list[int] = []
+        steps: list[Step] = []
+        t0 = time.perf_counter()
+        ttft = 0.0
+        step = decoder.prefill(prompt_ids, params.max_new_tokens)
+        while True:
+            steps.append(step)
+            if self.monitor is not None and len(steps) > 1:
+                self.monitor.observe(step)
+            new, finish = self._take(step, out_ids, stop_ids, params.max_new_tokens)
+            out_ids.extend(new)
+            delta = text.push(new)
+            if text.stopped:
+                finish = "stop"
+            ttft = ttft or time.perf_counter() - t0
+            drafted = [i < step.drafted for i in range(len(new))]
+            if finish:
+                delta += text.flush()
+                result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,
+                                          time.perf_counter() - t0, ttft)
+                yield Chunk(delta, new, drafted, finish, result)
+                return
+            yield Chunk(delta, new, drafted)
+            step = decoder.step()
+
+    @staticmethod
+    def _take(step: Step, out_ids: list[int], stop_ids: set[int], max_new: int):
+        """Tokens of this step that are emitted, and the finish reason if generation ends here."""
+        new: list[int] = []
+        for tok in step.tokens:
+            if tok in stop_ids:
+                return new, "stop"
+            new.append(tok)
+            if len(out_ids) + len(new) >= max_new:
+                return new, "length"
+        return new, None

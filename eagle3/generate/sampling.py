@@ -1,0 +1,69 @@
+"""Sampling parameters and the one function that turns logits into the distribution we sample from.
+
+Speculative verification uses the same `target_probs`, so "lossless" means: the output distribution
+equals plain sampling from exactly this processed distribution (temperature, then top-k, then top-p).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0          # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0                    # 0 = off
+    seed: Optional[int] = None
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()        # stop strings (not included in the output)
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # added to the model's eos ids
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise InputError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise InputError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InputError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(self.seed if self.seed is not None else torch.seed())
+        return g
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[..., V] logits -> [..., V] probabilities after temperature, top-k and top-p (not for greedy)."""
+    x = logits.float() / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        before = torch.cumsum(sorted_p, dim=-1) - sorted_p     # mass strictly before each token
+        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """[..., V] -> [...] token ids (argmax when greedy)."""
+    if params.greedy:
+        return logits.argmax(dim=-1)
+    probs = target_probs(logits, params)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=gen).view(probs.shape[:-1])

@@ -1,0 +1,63 @@
+"""Data returned by generation: per-step stats, streamed chunks, the final result."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Optional, Protocol
+
+
+class Step(NamedTuple):
+    """What one target forward produced."""
+    tokens: list[int]        # emitted tokens, in order: accepted draft tokens, then the bonus token
+    drafted: int             # how many leading tokens came from accepted draft proposals
+    draft_s: float = 0.0     # time spent in the draft model this step
+    verify_s: float = 0.0    # time spent in the target forward (prefill/decode/verify)
+    proposed: int = 0        # draft tokens the target checked this step (tree size - 1)
+
+
+class Chunk(NamedTuple):
+    """A streamed piece of output."""
+    text: str                          # new text (stop strings removed, incomplete UTF-8 held back)
+    token_ids: list[int]               # new token ids
+    drafted: list[bool]                # per new token: came from an accepted draft proposal
+    finish_reason: Optional[str] = None     # "stop" | "length" on the last chunk
+    result: Optional["GenerationResult"] = None  # filled on the last chunk
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    steps: list[Step] = field(default_factory=list)   # steps[0] is the prefill
+    wall_s: float = 0.0
+    ttft_s: float = 0.0
+
+    @property
+    def decode_steps(self) -> list[Step]:
+        return self.steps[1:]
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target decode forward (accepted draft tokens + 1); 1.0 without a draft."""
+        steps = self.decode_steps
+        return sum(len(s.tokens) for s in steps) / len(steps) if steps else 1.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0
+
+    def acceptance_per_position(self, depth: int) -> list[float]:
+        """Fraction of decode steps whose accepted draft length reached position 1..depth."""
+        steps = self.decode_steps
+        if not steps:
+            return [0.0] * depth
+        return [sum(s.drafted >= k for s in steps) / len(steps) for k in range(1, depth + 1)]
+
+
+class Decoder(Protocol):
+    """Produces tokens for one sequence: a prefill, then one step per target forward."""
+
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step: ...
+
+    def step(self) -> Step: ...
