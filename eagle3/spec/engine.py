@@ -1,0 +1,150 @@
+"""SpecDecoder: EAGLE-3 (and EAGLE-1/2) speculative decoding for one sequence.
+
+One step reads like the algorithm: draft a tree -> verify it in one target forward -> accept ->
+commit the accepted path in the target cache -> extend the draft over the accepted tokens.
+
+Cache bookkeeping (n = target cache length at the start of a step):
+
+    target cache   tokens 0..n-1; the root (last emitted token, position n) is not cached yet
+    draft cache    n rows: row i pairs the target feature of token i with the id of token i+1,
+                   at position i; the last row's logits/hidden are `self.head` (they propose
+                   the tree's first level)
+    tree forward   level-d tokens (d = 1..depth-1) go through the draft at position n+d-1, hidden =
+                   the draft output of their parent's row; rows n.. hold them and are dropped
+    verify         the T tree nodes at positions n + depth, KV written at n..n+T-1, then the
+                   accepted nodes compacted to n..n+m (keep) -> target length n+m+1
+    extend         draft rows n..n+m pair the features of the m+1 accepted nodes with the ids
+                   of accepted tokens 2..m and the bonus -> draft length n+m+1 again
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple, Optional
+
+import torch
+
+from ..errors import ContractError, InputError
+from ..generate.sampling import SamplingParams, sample_next
+from ..generate.types import Step
+from ..models.layers import tree_block_mask
+from ..runtime.kv_cache import KVCache
+from .draft import DraftBase
+from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
+                   root_frontier, select_nodes)
+from .verify import Acceptance, verify_greedy, verify_sampled
+
+
+class DraftHead(NamedTuple):
+    """The draft's output at its last cached row: proposes the first tree level."""
+    logits: torch.Tensor   # [Vd]
+    hidden: torch.Tensor   # [H] pre-norm, fed back as hidden= for the first level's children
+
+
+class SpecDecoder:
+    """Implements eagle3.generate.types.Decoder with a draft model and tree verification."""
+
+    def __init__(self, target, draft: DraftBase, cache: KVCache, draft_cache: KVCache,
+                 params: SamplingParams, spec: Optional[SpecParams] = None):
+        self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
+        self.params, self.spec = params, spec or SpecParams()
+        cfg = draft.config
+        if self.spec.top_k > cfg.draft_vocab_size:
+            raise InputError(f"spec top_k={self.spec.top_k} exceeds the draft vocabulary "
+                             f"({cfg.draft_vocab_size}); lower top_k")
+        if cfg.vocab_size != target.config.vocab_size:
+            raise ContractError("draft vocab_size", cfg.vocab_size, target.config.vocab_size,
+                                "this draft was trained for a target with another vocabulary; "
+                                "use the draft made for this target")
+        self.capture_ids = tuple(cfg.aux_layer_ids) if cfg.algorithm == "eagle3" else ()
+        self.device = target.embed_tokens.weight.device
+        self.gen = params.generator(self.device)
+        self.eye = torch.eye(self.spec.top_k, dtype=torch.bool, device=self.device)
+        self.root = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.head: Optional[DraftHead] = None
+
+    # ------------------------------------------------------------------ decoder interface
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
+        n = len(prompt_ids)
+        for cache in (self.cache, self.draft_cache):
+            cache.reset()
+            cache.check_room(n + max_new_tokens + self.spec.cache_slack - 1)
+        t0 = time.perf_counter()
+        ids = torch.tensor(prompt_ids, device=self.device)
+        out = self.target(ids[None], torch.arange(n, device=self.device), self.cache,
+                          logits_rows=slice(-1, None), capture_ids=self.capture_ids)
+        self.root = sample_next(out.logits[0, -1], self.params, self.gen).view(1)
+        t1 = time.perf_counter()
+        self._extend(torch.cat([ids[1:], self.root]), self._features(out)[0], start=0)
+        return Step([int(self.root)], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
+
+    @torch.inference_mode()
+    def step(self) -> Step:
+        t0 = time.perf_counter()
+        tree = self.draft_tree()
+        t1 = time.perf_counter()
+        start = self.cache.length
+        out = self.target(tree.tokens[None], tree.positions, self.cache,
+                          attn_mask=tree_block_mask(start, tree.mask), capture_ids=self.capture_ids)
+        acc = self.accept(out.logits[0], tree)
+        kept = torch.tensor(acc.nodes, device=self.device)
+        self.cache.keep(start, kept)
+        t2 = time.perf_counter()
+        self.root = torch.tensor(acc.tokens[-1:], device=self.device)
+        emitted = torch.tensor(acc.tokens, device=self.device)
+        self._extend(emitted, self._features(out)[0, kept], start)
+        t3 = time.perf_counter()
+        return Step(acc.tokens, acc.accept_len, draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1,
+                    proposed=tree.size - 1)
+
+    # ------------------------------------------------------------------ parts
+    def accept(self, logits: torch.Tensor, tree: Tree) -> Acceptance:
+        # logits [T, V] at the tree nodes
+        if self.params.greedy:
+            return verify_greedy(logits, tree)
+        return verify_sampled(logits, tree, self.params, self.gen)
+
+    def draft_tree(self) -> Tree:
+        """EAGLE-2 dynamic tree over the draft cache; the draft cache is left at its prefix."""
+        spec, n = self.spec, self.draft_cache.length
+        frontier, level = expand(root_frontier(self.device), self.head.logits[None], spec.top_k, 0)
+        levels: list[Level] = [level]
+        hidden = self.head.hidden.expand(spec.top_k, -1)               # [K, H]
+        ancestors = self.eye[:, :0]                                    # [K, rows so far]
+        for depth in range(1, spec.depth):
+            out = self._draft_level(frontier, hidden, ancestors, position=n + depth - 1)
+            offset = sum(lv.scores.numel() for lv in levels)
+            frontier, level = expand(frontier, out.logits[0], spec.top_k, offset)
+            levels.append(level)
+            hidden = out.hidden[0, frontier.rows]
+            ancestors = torch.cat([ancestors, self.eye], dim=1)[frontier.rows]
+        self.draft_cache.truncate(n)
+        return self._layout(concat_levels(levels), n)
+
+    def _draft_level(self, frontier: Frontier, hidden: torch.Tensor, ancestors: torch.Tensor,
+                     position: int):
+        # frontier of K nodes -> one draft forward over them, tree-masked
+        k, n = self.spec.top_k, self.draft_cache.length - ancestors.shape[1]
+        prefix = torch.ones(k, n, dtype=torch.bool, device=self.device)
+        mask = torch.cat([prefix, ancestors, self.eye], dim=1)[None, None]
+        ids = self.draft.to_target_ids(frontier.tokens)
+        positions = torch.full((k,), position, dtype=torch.long, device=self.device)
+        return self.draft(ids[None], positions, self.draft_cache, hidden=hidden[None], attn_mask=mask)
+
+    def _layout(self, cands: Level, prefix_len: int) -> Tree:
+        sel = select_nodes(cands, self.spec.num_draft_tokens)
+        tokens = torch.cat([self.root, self.draft.to_target_ids(cands.tokens[sel.cand_idx])])
+        return build_tree(tokens, sel.parents, prefix_len, self.spec.depth)
+
+    def _features(self, out) -> torch.Tensor:
+        """What the draft reads from the target: captured aux states (EAGLE-3) or final hidden."""
+        return out.aux if self.capture_ids else out.hidden
+
+    def _extend(self, next_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """Draft rows start.. pairing features [m, F] of tokens start.. with next_ids [m]."""
+        self.draft_cache.truncate(start)
+        m = next_ids.numel()
+        positions = torch.arange(start, start + m, device=self.device)
+        out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],
+                         logits_rows=slice(-1, None))
+        self.head = DraftHead(out.logits[0, -1], out.hidden[0, -1])

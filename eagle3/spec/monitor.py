@@ -1,0 +1,79 @@
+"""Live acceptance watch: counters for /metrics and a loud warning when nothing is accepted.
+
+A draft that is paired wrongly with its target still runs; it only proposes tokens the target never
+accepts (the zero-acceptance incident). The monitor sees every decode step; when the mean accepted
+length over a full window is 1.0 token per target forward (no draft token accepted), it warns once
+and reports `degraded` until acceptance comes back.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, deque
+from typing import Any
+
+from ..generate.types import Step
+
+log = logging.getLogger("eagle3.spec")
+
+DEGRADED_MESSAGE = (
+    "SPECULATION IS NOT WORKING: the target accepted 0 draft tokens in each of the last {n} steps "
+    "(mean accepted length 1.0). Usual causes: wrong aux layer ids (the 'input to layer i' vs "
+    "'output of layer i' off-by-one), the wrong algorithm (an EAGLE-3 draft served as EAGLE, or the "
+    "reverse), or a draft trained for another target model. Generation stays correct, only slower."
+)
+
+
+class AcceptanceMonitor:
+    def __init__(self, window: int = 32):
+        self.window = window
+        self.recent: deque[int] = deque(maxlen=window)   # accepted draft tokens per step
+        self.steps = 0
+        self.proposed = 0
+        self.accepted = 0
+        self.accept_hist: Counter[int] = Counter()       # accepted draft tokens -> steps
+        self.reached: list[int] = []                      # reached[k-1]: steps accepting >= k
+        self.warned = False
+
+    def observe(self, step: Step) -> None:
+        """Record one decode step (not the prefill)."""
+        self.steps += 1
+        self.proposed += step.proposed
+        self.accepted += step.drafted
+        self.accept_hist[step.drafted] += 1
+        self.reached.extend([0] * (step.drafted - len(self.reached)))
+        for k in range(step.drafted):
+            self.reached[k] += 1
+        self.recent.append(step.drafted)
+        if self.degraded and not self.warned:
+            self.warned = True
+            log.warning(DEGRADED_MESSAGE.format(n=self.window))
+
+    @property
+    def degraded(self) -> bool:
+        """True while a full window of steps accepted no draft token at all."""
+        return len(self.recent) == self.window and not any(self.recent)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward since start (accepted draft tokens + 1)."""
+        return 1.0 + self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def window_tau(self) -> float:
+        return 1.0 + sum(self.recent) / len(self.recent) if self.recent else 0.0
+
+    def acceptance_per_position(self) -> list[float]:
+        """Fraction of steps whose accepted draft length reached position 1, 2, ..."""
+        return [r / self.steps for r in self.reached] if self.steps else []
+
+    def snapshot(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "tau": self.tau,
+            "window_tau": self.window_tau,
+            "degraded": self.degraded,
+            "accept_len_histogram": {k: self.accept_hist[k] for k in sorted(self.accept_hist)},
+            "acceptance_per_position": self.acceptance_per_position(),
+        }

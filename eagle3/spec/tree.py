@@ -1,0 +1,188 @@
+"""EAGLE-2 dynamic draft trees: spec parameters, frontier expansion, pruning, tree layout.
+
+Pure tensor code, no model. The draft loop in engine.py calls, per draft forward:
+
+    frontier, level = expand(frontier, draft_logits, top_k, offset)
+
+and after `depth` levels `select_nodes` keeps the best `num_draft_tokens - 1` candidates and
+`build_tree` turns their parents into the verification layout.
+
+Index spaces (candidate index c = order of creation, level by level; tree index t = verify row):
+
+    candidate   c in [0, M)      M = top_k + (depth - 1) * top_k**2; parent -1 = the root
+    tree        t in [0, T)      T = num_draft_tokens; t = 0 is the root (the token the target
+                                 just produced), nodes sorted by candidate index, so a parent
+                                 always precedes its children
+
+Scores are cumulative draft log-probabilities: score(child) = score(parent) + log p(child | parent).
+Every log-prob is <= 0, so a child never outscores its parent (also in floating point: rounding is
+monotonic); ties are broken by the lower candidate index, so the kept set is closed under parents.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from ..errors import InputError
+
+
+@dataclass(frozen=True)
+class SpecParams:
+    """Tree shape: `top_k` children per expanded node and frontier width, `depth` draft levels,
+    `num_draft_tokens` verified nodes including the root. top_k = 1 is a chain of `depth` tokens."""
+    top_k: int = 4
+    depth: int = 5
+    num_draft_tokens: int = 8
+
+    def __post_init__(self):
+        for name in ("top_k", "depth"):
+            if getattr(self, name) < 1:
+                raise InputError(f"spec {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_draft_tokens < 2:
+            raise InputError(f"num_draft_tokens must be >= 2 (the root and one draft token), "
+                             f"got {self.num_draft_tokens}")
+        if self.num_draft_tokens - 1 > self.max_candidates:
+            raise InputError(
+                f"num_draft_tokens={self.num_draft_tokens} needs {self.num_draft_tokens - 1} draft "
+                f"candidates but top_k={self.top_k}, depth={self.depth} produce at most "
+                f"{self.max_candidates} (top_k + (depth-1)*top_k^2); lower num_draft_tokens to "
+                f"<= {self.max_candidates + 1} or raise depth/top_k")
+
+    @classmethod
+    def chain(cls, depth: int) -> "SpecParams":
+        return cls(top_k=1, depth=depth, num_draft_tokens=depth + 1)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.top_k == 1
+
+    @property
+    def max_candidates(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+    @property
+    def draft_rows(self) -> int:
+        """Draft-cache rows written by the tree forwards of one step (dropped afterwards)."""
+        return (self.depth - 1) * self.top_k
+
+    @property
+    def cache_slack(self) -> int:
+        """Cache rows needed beyond prompt + max_new_tokens (verify block or draft tree rows)."""
+        return max(self.num_draft_tokens, self.draft_rows) + 1
+
+
+# ---------------------------------------------------------------------------- expansion
+class Frontier(NamedTuple):
+    """The nodes expanded by the next draft forward (one forward row each)."""
+    scores: torch.Tensor     # [K] float32 cumulative log-probs
+    tokens: torch.Tensor     # [K] int64 draft-vocab ids
+    cand_idx: torch.Tensor   # [K] int64 candidate index (-1 = root)
+    rows: torch.Tensor       # [K] int64 row of the forward that produced each node
+
+
+class Level(NamedTuple):
+    """Every candidate created by one expansion (all are kept for the final rerank)."""
+    scores: torch.Tensor     # [N] float32
+    tokens: torch.Tensor     # [N] int64 draft-vocab ids
+    parents: torch.Tensor    # [N] int64 candidate index of the parent (-1 = root)
+
+
+def root_frontier(device: torch.device | str = "cpu") -> Frontier:
+    """The root as a one-node frontier: score 0, candidate index -1."""
+    zero = torch.zeros(1, dtype=torch.long, device=device)
+    return Frontier(torch.zeros(1, device=device), zero, zero - 1, zero)
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # logits [..., Vd] -> log-probs [..., k] (<= 0), ids [..., k], best first
+    logits = logits.float()
+    vals, ids = logits.topk(k, dim=-1)
+    lp = vals - logits.logsumexp(dim=-1, keepdim=True)
+    return lp.clamp_(max=0.0), ids
+
+
+def expand(frontier: Frontier, logits: torch.Tensor, top_k: int, offset: int) -> tuple[Frontier, Level]:
+    """Children of every frontier node; the global top_k of them become the next frontier.
+
+    logits [F, Vd]: draft logits at the frontier rows (F = 1 for the root). `offset` = number of
+    candidates created before this level. Returns the next frontier ([top_k]) and the level ([F*top_k]).
+    """
+    lp, ids = top_logprobs(logits, top_k)                       # [F, k]
+    scores = (frontier.scores[:, None] + lp).flatten()          # [F*k]
+    level = Level(scores, ids.flatten(), frontier.cand_idx.repeat_interleave(top_k))
+    best = scores.topk(top_k).indices                           # [k] into F*k
+    nxt = Frontier(scores[best], level.tokens[best], best + offset, best // top_k)
+    return nxt, level
+
+
+def concat_levels(levels: list[Level]) -> Level:
+    return Level(*(torch.cat(parts) for parts in zip(*levels)))
+
+
+# ---------------------------------------------------------------------------- pruning
+class Selection(NamedTuple):
+    cand_idx: torch.Tensor   # [T-1] kept candidate indices, ascending
+    parents: torch.Tensor    # [T] tree index of each node's parent; parents[0] = -1 (root)
+
+
+def select_nodes(cands: Level, num_nodes: int) -> Selection:
+    """Keep the best `num_nodes - 1` candidates by cumulative score, in candidate order."""
+    order = torch.sort(cands.scores, descending=True, stable=True).indices
+    kept = order[:num_nodes - 1].sort().values                  # [T-1]
+    tree_idx = torch.full_like(cands.parents, -1)
+    tree_idx[kept] = torch.arange(1, kept.numel() + 1, device=kept.device)
+    par = cands.parents[kept]
+    tree_par = torch.where(par < 0, torch.zeros_like(par), tree_idx[par.clamp(min=0)])
+    return Selection(kept, torch.cat([par.new_full((1,), -1), tree_par]))
+
+
+# ---------------------------------------------------------------------------- layout
+class Tree(NamedTuple):
+    """A draft tree ready for one verification forward (T nodes, root first)."""
+    tokens: torch.Tensor     # [T] int64 target ids; tokens[0] = root
+    parents: torch.Tensor    # [T] int64; parents[0] = -1; parents[t] < t
+    mask: torch.Tensor       # [T, T] bool; mask[i, j] = j is i or an ancestor of i
+    depth: torch.Tensor      # [T] int64; root 0
+    positions: torch.Tensor  # [T] int64; prefix_len + depth
+    paths: torch.Tensor      # [T, max_depth+1] int64; row t = root..t indices, padded with -1
+    is_leaf: torch.Tensor    # [T] bool
+
+    @property
+    def size(self) -> int:
+        return self.tokens.numel()
+
+    def leaf_paths(self) -> list[list[int]]:
+        """Root-to-leaf index lists (host copy; for tests and diagnostics)."""
+        rows = self.paths[self.is_leaf].tolist()
+        return [[t for t in row if t >= 0] for row in rows]
+
+
+def ancestry_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
+    # parents [T] (parents[0] = -1, parents[t] < t) -> [T, T] bool, ancestors and self
+    size = parents.numel()
+    idx = torch.arange(size, device=parents.device)
+    up = parents.clamp(min=0)                                   # the root points to itself
+    mask = torch.zeros(size, size, dtype=torch.bool, device=parents.device)
+    cur = idx
+    for _ in range(max_depth + 1):                              # self, parent, grandparent, ...
+        mask[idx, cur] = True
+        cur = up[cur]
+    return mask
+
+
+def build_tree(tokens: torch.Tensor, parents: torch.Tensor, prefix_len: int, max_depth: int) -> Tree:
+    """tokens [T] (root first), parents [T] -> mask, positions, root-to-node paths.
+
+    `max_depth` bounds the depth of any node (the spec depth); no host sync.
+    """
+    size = parents.numel()
+    mask = ancestry_mask(parents, max_depth)
+    depth = mask.sum(dim=1) - 1
+    col = torch.arange(size, device=parents.device)
+    keyed = torch.where(mask, col, size).sort(dim=1).values[:, :max_depth + 1]
+    paths = keyed.masked_fill(keyed == size, -1)                # ancestors in index = depth order
+    is_parent = torch.zeros(size, dtype=torch.bool, device=parents.device)
+    is_parent[parents[1:]] = True
+    return Tree(tokens, parents, mask, depth, prefix_len + depth, paths, ~is_parent)

@@ -1,0 +1,105 @@
+"""Verification of a draft tree against the target's logits at every tree node.
+
+Greedy: pred[t] = argmax target logits at node t (the target's next token after t). A node is
+consistent when tokens[t] == pred[parent[t]]; the accepted path is the longest run of consistent
+nodes from the root; the bonus token is pred[last accepted node].
+
+Sampled (lossless; the draft is deterministic given the context, so its proposals are fixed):
+with p_u = target_probs(logits[u]) at node u and children c_1..c_m of u in tree order,
+
+    accept c_j with probability  p_u(c_j) / (p_u(c_j) + sum_{l>j} p_u(c_l) + r_u)
+
+where r_u = mass of p_u outside all children of u (that is p_u(c_j) / remaining mass after
+rejecting c_1..c_{j-1}). On acceptance move to c_j; if every child is rejected (or u is a leaf),
+the bonus token is sampled from p_u with all children of u removed, renormalised. Each emitted
+token is thereby distributed exactly as p_u: the output distribution is the target's.
+
+Both functions do their tensor work on the logits' device and copy to the host once.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..generate.sampling import SamplingParams, target_probs
+from .tree import Tree
+
+
+class Acceptance(NamedTuple):
+    nodes: list[int]     # accepted tree indices, root first (len = accepted draft tokens + 1)
+    tokens: list[int]    # emitted target ids: accepted draft tokens, then the bonus token
+
+    @property
+    def accept_len(self) -> int:
+        """Accepted draft tokens (0 .. depth)."""
+        return len(self.nodes) - 1
+
+
+def verify_greedy(logits: torch.Tensor, tree: Tree) -> Acceptance:
+    """logits [T, V] at the tree nodes -> the longest path matching the target argmax + bonus."""
+    pred = logits.argmax(dim=-1)                                      # [T]
+    ok = tree.tokens == pred[tree.parents.clamp(min=0)]
+    ok[0] = True                                                      # the root is given
+    paths = tree.paths                                                # [T, D+1]
+    on_path = (paths >= 0) & ok[paths.clamp(min=0)]
+    run = on_path.long().cumprod(dim=1).sum(dim=1)                    # [T] accepted prefix length
+    best = run.argmax()
+    path = paths[best]
+    last = path.gather(0, (run[best] - 1).view(1))
+    host = torch.cat([run[best].view(1), path, tree.tokens[path.clamp(min=0)],
+                      pred[last]]).tolist()
+    return _unpack(host, paths.shape[1])
+
+
+def _unpack(host: list[int], width: int) -> Acceptance:
+    num = host[0]
+    nodes, tokens = host[1:1 + num], host[1 + width:1 + width + num]
+    return Acceptance(nodes, tokens[1:] + [host[-1]])
+
+
+def verify_sampled(logits: torch.Tensor, tree: Tree, params: SamplingParams,
+                   gen: torch.Generator) -> Acceptance:
+    """logits [T, V] -> lossless multi-draft acceptance under `target_probs(., params)`."""
+    probs = target_probs(logits, params)                              # [T, V]
+    child_p, resid_mass, bonus = _child_tables(probs, tree, gen)
+    uniform = torch.rand(tree.size, generator=gen, device=probs.device)
+    table = torch.stack([child_p.double(), resid_mass.double(), uniform.double(),
+                         bonus.double(), tree.parents.double(), tree.tokens.double()])
+    child_p, resid_mass, uniform, bonus, parents, tokens = table.tolist()   # the one host copy
+    nodes = _walk([int(p) for p in parents], child_p, resid_mass, uniform)
+    emitted = [int(tokens[t]) for t in nodes[1:]] + [int(bonus[nodes[-1]])]
+    return Acceptance(nodes, emitted)
+
+
+def _child_tables(probs: torch.Tensor, tree: Tree, gen: torch.Generator):
+    """child_p[t] = p_parent(t)(token t); resid_mass[u] and a bonus sample per node u drawn from
+    p_u without u's children (every node whose children are all rejected ends the walk there)."""
+    par = tree.parents.clamp(min=0)
+    child_p = probs[par, tree.tokens]                                 # [T]; [0] unused
+    resid = probs.clone()
+    resid[par[1:], tree.tokens[1:]] = 0.0                             # drop each node's children
+    resid_mass = resid.sum(dim=-1)                                    # [T]
+    empty = resid_mass <= 0                                           # all mass on children: the
+    resid = torch.where(empty[:, None], probs, resid)                 # walk never stops there
+    bonus = torch.multinomial(resid, 1, generator=gen).squeeze(1)     # [T]
+    return child_p, resid_mass, bonus
+
+
+def _walk(parents: list[int], child_p: list[float], resid_mass: list[float],
+          uniform: list[float]) -> list[int]:
+    children: list[list[int]] = [[] for _ in parents]
+    for t, p in enumerate(parents[1:], start=1):
+        children[p].append(t)
+    node, nodes = 0, [0]
+    while True:
+        kids = children[node]
+        rest = resid_mass[node] + sum(child_p[c] for c in kids)       # mass not yet rejected
+        for c in kids:
+            rest -= child_p[c]
+            if uniform[c] * (child_p[c] + rest) < child_p[c]:
+                break
+        else:
+            return nodes
+        node = c
+        nodes.append(c)

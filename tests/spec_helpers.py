@@ -1,0 +1,103 @@
+"""Tiny random targets and drafts for the speculative-decoding tests (no files, no downloads)."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from eagle3.generate import Engine, SamplingParams
+from eagle3.models.config import ModelConfig
+from eagle3.models.llama import LlamaModel
+from eagle3.spec.draft import DraftConfig, DraftOutput, Eagle1Draft, Eagle3Draft
+from eagle3.spec.tree import SpecParams
+
+AUX_IDS = (0, 2, 3)
+
+
+class StubTokenizer:
+    """Enough of a tokenizer for Engine: ids -> text, no special tokens."""
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def tiny_target(seed: int = 0, vocab: int = 32, std: float = 0.3, layers: int = 4) -> LlamaModel:
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+                               "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": layers, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "max_position_embeddings": 256})
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, std)
+    return model.eval()
+
+
+def tiny_draft(target: LlamaModel, seed: int = 1, draft_vocab: Optional[int] = None,
+               algorithm: str = "eagle3") -> Eagle3Draft | Eagle1Draft:
+    torch.manual_seed(seed)
+    cfg = DraftConfig.for_target(target.config, draft_vocab_size=draft_vocab,
+                                 aux_layer_ids=AUX_IDS, algorithm=algorithm)
+    draft = (Eagle3Draft if algorithm == "eagle3" else Eagle1Draft)(cfg)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "norm" not in name and "embed" not in name:
+                p.normal_(0.0, 0.3)
+    draft.set_embedding(target.embed_tokens.weight)
+    if draft_vocab and draft_vocab < target.config.vocab_size:
+        used = torch.randperm(target.config.vocab_size)[:draft_vocab].sort().values
+        draft.d2t.copy_(used - torch.arange(draft_vocab))
+        draft.t2d.zero_()
+        draft.t2d[used] = True
+    return draft.eval()
+
+
+class OracleDraft(Eagle3Draft):
+    """A real Eagle3Draft (cache, features contract) whose logits follow a known sequence.
+
+    `seq[p]` is the token the target produces at position p. A row at position j whose input id
+    is seq[j+1] proposes seq[j+2]; on rows where (j * 7) % `noise_every` == 0 a wrong token ranks
+    first and the right one second, so chains miss and wider trees still find it.
+    """
+
+    def __init__(self, cfg: DraftConfig, seq: Sequence[int], noise_every: int = 3):
+        super().__init__(cfg)
+        self.seq = torch.tensor(list(seq) + [0, 0])
+        self.noise_every = noise_every
+
+    def forward(self, input_ids, positions, cache, **kw) -> DraftOutput:
+        rows = kw.pop("logits_rows", None)
+        out = super().forward(input_ids, positions, cache, **kw)
+        pos = positions if positions.dim() == 2 else positions[None]
+        pos = pos.clamp(max=len(self.seq) - 3)
+        right = self.seq[pos + 2]
+        on_track = self.seq[pos + 1] == input_ids
+        logits = 0.01 * self.head(out.hidden)
+        logits.scatter_add_(-1, right[..., None], on_track[..., None].float() * 10.0)
+        noisy = on_track & ((pos * 7) % self.noise_every == 0)
+        wrong = (right + 1) % logits.shape[-1]
+        logits.scatter_add_(-1, wrong[..., None], noisy[..., None].float() * 12.0)
+        if rows is not None:
+            logits = logits[:, rows]
+        return DraftOutput(logits, out.hidden)
+
+
+def oracle_draft(target: LlamaModel, seq: Sequence[int], noise_every: int = 3) -> OracleDraft:
+    cfg = DraftConfig.for_target(target.config, aux_layer_ids=AUX_IDS)
+    draft = OracleDraft(cfg, seq, noise_every)
+    draft.set_embedding(target.embed_tokens.weight)
+    return draft.eval()
+
+
+def plain_greedy(target: LlamaModel, prompt: list[int], max_new: int) -> list[int]:
+    engine = Engine(target, StubTokenizer(), max_model_len=len(prompt) + max_new + 8)
+    params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    return engine.generate(prompt_ids=prompt, params=params).token_ids
+
+
+def spec_engine(target, draft, spec: SpecParams, max_len: int = 200) -> Engine:
+    return Engine(target, StubTokenizer(), draft=draft, spec=spec, max_model_len=max_len)
