@@ -19,9 +19,12 @@ from .types import Chunk, Decoder, GenerationResult, Step
 
 class Engine:
     def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048):
+        if draft is not None and spec is None:
+            from ..spec.tree import SpecParams
+            spec = SpecParams()
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.max_model_len = max_model_len
-        slack = getattr(spec, "num_draft_tokens", 0) + 1
+        slack = spec.cache_slack if spec is not None else 1   # verify block / draft tree rows
         self.cache = target.new_cache(max_model_len + slack)
         self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None
         self.eos_ids = set(getattr(target.config, "eos_token_ids", ()) or ())
