@@ -1,0 +1,16 @@
+"""Shared fixtures: the real packaged SmolLM2 (tiny random models live in eagle3.testing)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(int(os.environ.get("EAGLE3_TEST_THREADS", "2")))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
+    src = resolve_model(None)
+    return load_model(src.hf_dir), load_tokenizer(src.hf_dir), src
