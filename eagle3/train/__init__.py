@@ -1,0 +1,1 @@
+"""Draft training pipeline: prompts, regenerated data, features, draft vocabulary, training-time test."""
