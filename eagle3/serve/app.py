@@ -1,0 +1,446 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory, endpoints, SSE streaming.
+
+| route | auth | what |
+|---|---|---|
+| GET  /                    | no  | the chat page (static/index.html: streaming, draft tokens highlighted, live tau) |
+| GET  /health              | no  | {"status": "ok" | "degraded", ...} (degraded = acceptance monitor says so) |
+| GET  /metrics             | no  | Prometheus text (see metrics.py) |
+| GET  /v1/models           | yes | the one served model |
+| POST /v1/chat/completions | yes | chat; `stream` = SSE ending in `data: [DONE]` |
+| POST /v1/completions      | yes | raw-text completion (no chat template) |
+
+Every response carries its speculation stats in an extra field `eagle3`; stream chunks carry the
+text split into runs [[text, drafted], ...] and the running tau. No request field is ever used as a
+file path: `model` is only compared with the served name.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from importlib import resources
+from typing import AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..errors import Eagle3Error
+from ..generate import Chunk, GenerationResult, encode_prompt
+from .highlight import DraftSpans
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
+                       requested_max_tokens, sampling_params)
+from .queue import END, EngineWorker, Job, QueueFull
+
+log = logging.getLogger("eagle3.serve")
+
+MAX_BODY_BYTES = 4 << 20
+DEGRADED_HINT = (
+    "speculation is not paying off: the rolling accepted length sits at 1.0 (the target rejects "
+    "every draft token). Output is still exactly the target's, only slower. Likely causes: the "
+    "draft was trained for another target or tokenizer; aux layer ids shifted by one ('input to "
+    "layer i' vs 'output of layer i'); an EAGLE-3 draft run as EAGLE-1/2 or the reverse; prompts "
+    "far from the training data (chat template, system prompt, language); a high temperature.")
+
+
+def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = None,
+               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    """An app serving `engine` (an eagle3.generate.Engine). Start it with its lifespan (uvicorn or
+    `with TestClient(app)`): the lifespan starts and stops the engine worker."""
+    server = Server(engine, model_name, api_key, max_queue, max_body_bytes)
+    app = FastAPI(title="eagle3", lifespan=server.lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.server = server
+    add_error_handlers(app)
+    add_routes(app, server)
+    return app
+
+
+def spec_depth(engine) -> int:
+    """Draft depth of the engine's tree settings (0 without a draft)."""
+    return int(engine.spec.depth) if engine.draft is not None else 0
+
+
+# ---------------------------------------------------------------------------- server state
+class Server:
+    def __init__(self, engine, model_name: str, api_key: Optional[str], max_queue: int,
+                 max_body_bytes: int):
+        self.engine, self.model_name, self.api_key = engine, model_name, api_key
+        self.max_body_bytes = max_body_bytes
+        self.tokenizer = copy.deepcopy(engine.tokenizer)   # the event loop's own (engine's is busy)
+        self.vocab_size = int(engine.target.config.vocab_size)
+        self.depth = spec_depth(engine)
+        self.worker = EngineWorker(engine, max_queue)
+        self.metrics = ServerMetrics(max(self.depth, 1))
+        self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
+                                 lambda: self.degraded)
+        self.created = int(time.time())
+        self._warned_degraded = False
+
+    @asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        await self.worker.start()
+        try:
+            yield
+        finally:
+            await self.worker.stop()
+
+    # ------------------------------------------------------------------ health
+    @property
+    def degraded(self) -> bool:
+        monitor = self.engine.monitor
+        return bool(monitor is not None and monitor.degraded)
+
+    def health(self) -> dict:
+        body = {"status": "degraded" if self.degraded else "ok", "model": self.model_name,
+                "speculative": self.engine.draft is not None,
+                "queue": {"waiting": self.worker.waiting, "running": self.worker.busy}}
+        monitor = self.engine.monitor
+        if monitor is not None:
+            body["acceptance"] = {"rolling_tau": monitor.tau, **monitor.snapshot()}
+        if self.degraded:
+            body["reason"] = DEGRADED_HINT
+        return body
+
+    def check_degraded(self) -> None:
+        """Log once when the acceptance monitor turns degraded, and once when it recovers."""
+        if self.degraded and not self._warned_degraded:
+            log.warning("%s (rolling tau %.3f)", DEGRADED_HINT, self.engine.monitor.tau)
+        elif self._warned_degraded and not self.degraded:
+            log.info("speculation recovered: rolling tau %.3f", self.engine.monitor.tau)
+        self._warned_degraded = self.degraded
+
+    # ------------------------------------------------------------------ request intake
+    def check_auth(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                                 self.api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           type="authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    async def read_body(self, request: Request) -> bytes:
+        declared = request.headers.get("content-length")
+        if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large(int(declared))
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            raise self._too_large(len(body))
+        return body
+
+    def _too_large(self, n: int) -> APIError:
+        return APIError(413, f"request body is {n} bytes; the limit is {self.max_body_bytes}",
+                        code="body_too_large")
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves "
+                                f"{self.model_name!r} (see GET /v1/models)", param="model",
+                           code="model_not_found")
+
+    def encode(self, req, chat: bool) -> list[int]:
+        try:
+            if chat:
+                messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+                return encode_prompt(self.tokenizer, messages=messages, chat=True)
+            return self._completion_ids(req.prompt)
+        except Eagle3Error as e:
+            raise APIError(400, str(e), param="messages" if chat else "prompt",
+                           code="invalid_value") from None
+
+    def _completion_ids(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return encode_prompt(self.tokenizer, prompt=prompt, chat=False)
+        if prompt and all(isinstance(p, str) for p in prompt):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt is a batch of {len(prompt)} strings; this server "
+                                    "takes one prompt per request", param="prompt",
+                               code="unsupported_value")
+            return encode_prompt(self.tokenizer, prompt=prompt[0], chat=False)
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                f"[0, {self.vocab_size})", param="prompt", code="invalid_value")
+        if not prompt:
+            raise APIError(400, "prompt is empty", param="prompt", code="invalid_value")
+        return list(prompt)
+
+    def params(self, req, prompt_len: int, chat: bool):
+        limit = self.engine.max_model_len
+        if prompt_len >= limit:
+            raise APIError(400, f"the prompt has {prompt_len} tokens; this model's context is "
+                                f"{limit} tokens (prompt + max_tokens)",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+        max_new = requested_max_tokens(req) or limit - prompt_len
+        try:
+            self.engine.check_length(prompt_len, max_new)
+            return sampling_params(req, max_new)
+        except Eagle3Error as e:
+            raise APIError(400, str(e), param="max_tokens", code="invalid_value") from None
+
+    def submit(self, prompt_ids: list[int], params) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop())
+        try:
+            self.worker.submit(job)
+        except QueueFull:
+            wait = self.worker.retry_after_s()
+            raise APIError(503, f"the server is busy ({self.worker.max_queue} requests queued); "
+                                f"retry in {wait} s", type="server_error", code="queue_full",
+                           headers={"Retry-After": str(wait)}) from None
+        return job
+
+    # ------------------------------------------------------------------ endpoints
+    async def handle(self, request: Request, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        try:
+            self.check_auth(request)
+            body = await self.read_body(request)
+            req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
+            self.check_model(req.model)
+            prompt_ids = self.encode(req, chat)
+            job = self.submit(prompt_ids, self.params(req, len(prompt_ids), chat))
+        except APIError as e:
+            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            raise
+        gen = Generation(self, job, req, chat, endpoint)
+        if req.stream:
+            return EventStream(gen.sse(), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return JSONResponse(await gen.collect(request))
+
+
+# ---------------------------------------------------------------------------- one response
+class Generation:
+    """Turns one job's chunks into an OpenAI response (whole or SSE) and records its metrics."""
+
+    def __init__(self, server: Server, job: Job, req, chat: bool, endpoint: str):
+        self.server, self.job, self.req, self.chat, self.endpoint = server, job, req, chat, endpoint
+        self.metrics = server.metrics
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.spans = DraftSpans(server.tokenizer) if req.stream else None
+        self.emitted = 0                    # characters of text handed out so far
+        self.chunks_seen = 0
+        self.tokens = self.drafted = 0
+        self.decode_tokens = self.decode_steps = 0
+        self.done = False
+
+    # ------------------------------------------------------------------ the job's chunks
+    async def chunks(self) -> AsyncIterator[Chunk]:
+        """Engine chunks in order; if the consumer stops early, the generation is cancelled."""
+        try:
+            while True:
+                item = await self.job.out.get()
+                if item is END:
+                    self.done = True
+                    return
+                if isinstance(item, Exception):
+                    self.done = True
+                    raise self._engine_error(item)
+                self._account(item)
+                yield item
+        finally:
+            if not self.done:
+                self.cancel()
+
+    def cancel(self) -> None:
+        if not self.done and not self.job.cancelled.is_set():
+            self.job.cancel()
+            self.metrics.cancelled.inc()
+            self.metrics.requests.labels(self.endpoint, "499").inc()
+
+    def _engine_error(self, e: Exception) -> APIError:
+        self.metrics.requests.labels(self.endpoint, "500" if not isinstance(e, Eagle3Error)
+                                     else "400").inc()
+        if isinstance(e, Eagle3Error):
+            return APIError(400, str(e), code="invalid_value")
+        return APIError(500, f"generation failed: {type(e).__name__}", type="server_error",
+                        code="internal_error")
+
+    def _account(self, chunk: Chunk) -> None:
+        m, now = self.metrics, time.perf_counter()
+        self.chunks_seen += 1
+        if self.chunks_seen == 1:
+            m.prompt_tokens.inc(len(self.job.prompt_ids))
+            m.ttft.observe(now - self.job.arrived)
+        else:
+            self.decode_steps += 1
+            self.decode_tokens += len(chunk.token_ids)
+        m.generation_tokens.inc(len(chunk.token_ids))
+        self.tokens += len(chunk.token_ids)
+        self.drafted += sum(chunk.drafted)
+        if self.spans is not None:
+            self.spans.push(chunk.token_ids, chunk.drafted)
+        if chunk.result is not None:
+            m.success.labels(chunk.finish_reason).inc()
+            m.latency.observe(now - self.job.arrived)
+            m.observe_steps(chunk.result.decode_steps)
+            m.requests.labels(self.endpoint, "200").inc()
+            self.server.check_degraded()
+
+    # ------------------------------------------------------------------ payload pieces
+    def live(self, text: str) -> dict:
+        """The per-chunk extra field: text runs with drafted flags, running tau and counts."""
+        segments = [[t, d] for t, d in self.spans.segments(self.emitted, text)]
+        self.emitted += len(text)
+        tau = self.decode_tokens / self.decode_steps if self.decode_steps else 1.0
+        return {"segments": segments, "tau": round(tau, 4), "tokens": self.tokens,
+                "drafted_tokens": self.drafted}
+
+    def stats(self, result: GenerationResult) -> dict:
+        steps = result.decode_steps
+        return {"speculative": self.server.engine.draft is not None, "tau": round(result.tau, 4),
+                "decode_steps": len(steps), "tokens": len(result.token_ids),
+                "drafted_tokens": sum(s.drafted for s in steps),
+                "draft_tokens_proposed": sum(s.proposed for s in steps),
+                "draft_tokens_accepted": sum(s.drafted for s in steps),
+                "acceptance_per_position": [round(a, 4) for a in
+                                            result.acceptance_per_position(self.server.depth)],
+                "tokens_per_s": round(result.tokens_per_s, 2), "ttft_s": round(result.ttft_s, 4),
+                "wall_s": round(result.wall_s, 4)}
+
+    def usage(self, result: GenerationResult) -> dict:
+        n_out = len(result.token_ids)
+        return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n_out,
+                "total_tokens": result.prompt_tokens + n_out}
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": self.server.model_name}
+
+    def choice(self, text: Optional[str], finish: Optional[str], delta: bool) -> dict:
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        key = "delta" if delta else "message"
+        body = {"content": text} if text is not None else {}
+        if not delta:
+            body = {"role": "assistant", "content": text or ""}
+        return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
+
+    # ------------------------------------------------------------------ whole response
+    async def collect(self, request: Request) -> dict:
+        watcher = asyncio.create_task(self._watch_disconnect(request))
+        try:
+            result = None
+            async for chunk in self.chunks():
+                result = chunk.result or result
+        finally:
+            watcher.cancel()
+        if result is None:          # cancelled: the client is gone, nobody reads this
+            raise APIError(499, "client disconnected", code="client_disconnected")
+        obj = "chat.completion" if self.chat else "text_completion"
+        return {**self.head(obj), "choices": [self.choice(result.text, result.finish_reason, False)],
+                "usage": self.usage(result), "eagle3": self.stats(result)}
+
+    async def _watch_disconnect(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.cancel()
+                return
+
+    # ------------------------------------------------------------------ streaming response
+    async def sse(self) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        if self.chat:
+            first = self.choice(None, None, True)
+            first["delta"] = {"role": "assistant", "content": ""}
+            yield event({**self.head(obj), "choices": [first]})
+        try:
+            async for chunk in self.chunks():
+                if not chunk.text and chunk.result is None:
+                    continue
+                payload = {**self.head(obj), "choices": [self.choice(chunk.text, chunk.finish_reason,
+                                                                     True)],
+                           "eagle3": self.live(chunk.text)}
+                if chunk.result is not None:
+                    payload["eagle3"]["stats"] = self.stats(chunk.result)
+                yield event(payload)
+                if chunk.result is not None and self._include_usage():
+                    yield event({**self.head(obj), "choices": [], "usage": self.usage(chunk.result)})
+        except APIError as e:
+            yield event(e.body())
+        yield "data: [DONE]\n\n"
+
+    def _include_usage(self) -> bool:
+        return self.req.stream_options is not None and self.req.stream_options.include_usage
+
+
+class EventStream(StreamingResponse):
+    """SSE response that always closes its generator, so a disconnect cancels the job at once."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---------------------------------------------------------------------------- wiring
+def add_routes(app: FastAPI, server: Server) -> None:
+    page = resources.files("eagle3.serve").joinpath("static/index.html").read_text("utf-8")
+
+    @app.get("/", include_in_schema=False)
+    async def index() -> HTMLResponse:
+        return HTMLResponse(page)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse(server.health())
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        server.check_auth(request)
+        card = {"id": server.model_name, "object": "model", "created": server.created,
+                "owned_by": "eagle3", "max_model_len": server.engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await server.handle(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await server.handle(request, chat=False)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return JSONResponse(error_body(message, "invalid_request_error", None, code),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(e), "invalid_request_error", None, "invalid_value"),
+                            status_code=400)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, e: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal server error: {type(e).__name__}", "server_error",
+                                       None, "internal_error"), status_code=500)

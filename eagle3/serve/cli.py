@@ -1,0 +1,58 @@
+"""`eagle3 serve`: flags in the style of SGLang/vLLM; binds 127.0.0.1 unless told otherwise."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from typing import Optional, Sequence
+
+from ..cli import add_spec_args, spec_from_args
+from ..errors import Eagle3Error
+from ..runtime.assets import DEFAULT_MODEL
+
+log = logging.getLogger("eagle3.serve")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle3 serve",
+                                description="OpenAI-compatible server with EAGLE-3 speculation")
+    p.add_argument("--model", default=None,
+                   help="target: .gguf file or HF directory (default: the packaged SmolLM2-135M)")
+    add_spec_args(p)        # --draft, --algorithm, --top-k, --depth, --num-draft-tokens
+    p.add_argument("--served-model-name", default=None,
+                   help="model id in /v1/models and requests (default: the --model value)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (env EAGLE3_API_KEY)")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests waiting for the engine before answering 503 (default 64)")
+    p.add_argument("--max-model-len", type=int, default=2048,
+                   help="context length: prompt + max_tokens (default 2048)")
+    p.add_argument("--device", default=None, help="cpu | cuda | ... (default: best available)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def serve_main(argv: Optional[Sequence[str]] = None) -> int:
+    """Parse flags, load the engine, run uvicorn until interrupted. Returns the exit status."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        from ..api import load_engine
+        engine = load_engine(model=args.model, draft=args.draft, spec=spec_from_args(args),
+                             device=args.device, max_model_len=args.max_model_len,
+                             algorithm=args.algorithm)
+    except Eagle3Error as e:
+        log.error("%s", e)
+        return 2
+    import uvicorn
+
+    from .app import create_app
+    name = args.served_model_name or args.model or DEFAULT_MODEL
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach it may use it", args.host)
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

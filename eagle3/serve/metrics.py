@@ -1,0 +1,91 @@
+"""Prometheus metrics, one CollectorRegistry per app (names in the style of vLLM, prefix `eagle3:`).
+
+| metric | kind | meaning |
+|---|---|---|
+| eagle3:requests_total{endpoint,status} | counter | finished HTTP requests to /v1/* by status code |
+| eagle3:request_success_total{finish_reason} | counter | generations that ran to stop/length |
+| eagle3:requests_cancelled_total | counter | generations stopped because the client went away |
+| eagle3:prompt_tokens_total, eagle3:generation_tokens_total | counter | tokens in / out |
+| eagle3:e2e_request_latency_seconds | histogram | arrival -> last token (queue wait included) |
+| eagle3:time_to_first_token_seconds | histogram | arrival -> first token (queue wait included) |
+| eagle3:num_requests_waiting, eagle3:num_requests_running | gauge | queue depth, 0/1 in the engine |
+| eagle3:spec_decode_num_drafts_total | counter | decode steps that verified a draft |
+| eagle3:spec_decode_num_draft_tokens_total | counter | draft tokens proposed (verified by the target) |
+| eagle3:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted |
+| eagle3:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | steps whose accepted length reached draft position 1..depth |
+| eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; its mean is tau) |
+| eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from ..generate import Step
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class ServerMetrics:
+    def __init__(self, max_depth: int):
+        self.registry = r = CollectorRegistry()
+        self.max_depth = max_depth
+        self.requests = Counter("eagle3:requests", "Finished /v1 requests by status code",
+                                ["endpoint", "status"], registry=r)
+        self.success = Counter("eagle3:request_success", "Completed generations by finish reason",
+                               ["finish_reason"], registry=r)
+        self.cancelled = Counter("eagle3:requests_cancelled",
+                                 "Generations stopped because the client disconnected", registry=r)
+        self.prompt_tokens = Counter("eagle3:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("eagle3:generation_tokens", "Tokens generated", registry=r)
+        self.latency = Histogram("eagle3:e2e_request_latency_seconds", "Arrival to last token",
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("eagle3:time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.waiting = Gauge("eagle3:num_requests_waiting", "Requests in the queue", registry=r)
+        self.running = Gauge("eagle3:num_requests_running", "Requests in the engine", registry=r)
+        self._spec_metrics(r)
+
+    def _spec_metrics(self, r: CollectorRegistry) -> None:
+        self.num_drafts = Counter("eagle3:spec_decode_num_drafts",
+                                  "Decode steps that verified draft tokens", registry=r)
+        self.draft_tokens = Counter("eagle3:spec_decode_num_draft_tokens",
+                                    "Draft tokens proposed to the target", registry=r)
+        self.accepted_tokens = Counter("eagle3:spec_decode_num_accepted_tokens",
+                                       "Draft tokens accepted by the target", registry=r)
+        self.accepted_per_pos = Counter("eagle3:spec_decode_num_accepted_tokens_per_pos",
+                                        "Steps whose accepted draft length reached this position",
+                                        ["position"], registry=r)
+        buckets = tuple(float(k) for k in range(1, self.max_depth + 2))
+        self.accept_len = Histogram("eagle3:spec_decode_acceptance_length",
+                                    "Tokens per decode step (accepted draft tokens + 1)",
+                                    buckets=buckets, registry=r)
+        self.degraded = Gauge("eagle3:spec_decode_degraded",
+                              "1 while the rolling acceptance length sits at 1.0", registry=r)
+        for k in range(1, self.max_depth + 1):          # export zeros before the first request
+            self.accepted_per_pos.labels(position=str(k))
+
+    def watch_queue(self, waiting: Callable[[], int], running: Callable[[], int],
+                    degraded: Callable[[], bool]) -> None:
+        """Gauges read at scrape time."""
+        self.waiting.set_function(waiting)
+        self.running.set_function(running)
+        self.degraded.set_function(lambda: float(degraded()))
+
+    def observe_steps(self, decode_steps: Sequence[Step]) -> None:
+        """Speculation counters from the decode steps of one generation (prefill excluded)."""
+        for s in decode_steps:
+            if s.proposed <= 0:
+                continue
+            self.num_drafts.inc()
+            self.draft_tokens.inc(s.proposed)
+            self.accepted_tokens.inc(s.drafted)
+            self.accept_len.observe(s.drafted + 1)
+            for k in range(1, s.drafted + 1):
+                self.accepted_per_pos.labels(position=str(k)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,125 @@
+"""Server test support: tiny engines with the real SmolLM2 tokenizer, a grouped stand-in for
+speculation, and a uvicorn server on a random loopback port run in a thread."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from eagle3.generate import Engine, PlainDecoder, SamplingParams
+from eagle3.generate.types import Step
+from eagle3.models.config import ModelConfig
+from eagle3.models.llama import LlamaModel
+from eagle3.spec.tree import SpecParams
+
+VOCAB = 49152      # the real tokenizer's vocabulary, so decoded text is real text
+
+
+@lru_cache(maxsize=1)
+def tokenizer():
+    from eagle3.runtime.loader import load_tokenizer, resolve_model
+    return load_tokenizer(resolve_model(None).hf_dir)
+
+
+def tiny_target(seed: int = 0) -> LlamaModel:
+    torch.manual_seed(seed)
+    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB,
+                               "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                               "num_attention_heads": 4, "num_key_value_heads": 2,
+                               "max_position_embeddings": 1024, "tie_word_embeddings": True,
+                               "eos_token_id": 2})
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+class GroupedDecoder:
+    """Plain greedy/sampled tokens, emitted in groups of 1, 2, ..., depth+1 tokens per step with all
+    but the last of a group reported as accepted draft tokens. The output is exactly the plain
+    decoder's; only the per-step bookkeeping imitates speculation (a known drafted pattern)."""
+
+    def __init__(self, plain: PlainDecoder, depth: int, delay_s: float = 0.0):
+        self.plain, self.depth, self.delay_s = plain, depth, delay_s
+        self.steps = 0
+
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
+        return self.plain.prefill(prompt_ids, max_new_tokens)
+
+    def step(self) -> Step:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        group = 1 + self.steps % (self.depth + 1)
+        self.steps += 1
+        tokens = [t for _ in range(group) for t in self.plain.step().tokens]
+        return Step(tokens, group - 1, proposed=self.depth)
+
+
+class GroupedEngine(Engine):
+    """An Engine that looks speculative to the server (draft set, spec depth) but decodes with
+    GroupedDecoder; `speculative=False` gives the plain reference."""
+
+    def __init__(self, target, tok, max_model_len: int = 256, depth: int = 2, delay_s: float = 0.0):
+        spec = SpecParams(top_k=1, depth=depth, num_draft_tokens=depth + 1)
+        super().__init__(target, tok, spec=spec, max_model_len=max_model_len)
+        self.draft = "grouped-stand-in"
+        self.delay_s = delay_s
+
+    def make_decoder(self, params: SamplingParams, speculative: bool = True):
+        plain = PlainDecoder(self.target, self.cache, params)
+        return GroupedDecoder(plain, self.spec.depth, self.delay_s) if speculative else plain
+
+
+class FakeMonitor:
+    """Stands in for eagle3.spec.monitor.AcceptanceMonitor with a switchable `degraded`."""
+
+    def __init__(self, degraded: bool):
+        self.degraded, self.tau = degraded, 1.0
+
+    def snapshot(self) -> dict:
+        return {"steps": 40, "proposed_tokens": 80, "accepted_tokens": 0, "tau": 1.0,
+                "degraded": self.degraded}
+
+
+def free_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    return sock
+
+
+class RunningServer:
+    """`with RunningServer(app) as s:` uvicorn on 127.0.0.1:<random port>; s.url, s.port."""
+
+    def __init__(self, app, start_timeout_s: float = 30.0):
+        import uvicorn
+        self.sock = free_socket()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+        self.server = uvicorn.Server(config)
+        self.thread: Optional[threading.Thread] = None
+        self.start_timeout_s = start_timeout_s
+
+    def __enter__(self) -> "RunningServer":
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       daemon=True, name="uvicorn-test")
+        self.thread.start()
+        deadline = time.monotonic() + self.start_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+        assert not self.thread.is_alive(), "uvicorn did not stop"
