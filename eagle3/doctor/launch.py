@@ -1,0 +1,542 @@
+"""Launch-line linter: what would silently break an EAGLE-3 deployment on SGLang, vLLM or llama.cpp.
+
+Each engine reads the draft's layer ids its own way (reference page, sections 2-3); every id below
+is in the "input to layer i" convention (= HF output_hidden_states[i]):
+
+| engine    | where it reads the ids                                   | what it captures            |
+|-----------|----------------------------------------------------------|-----------------------------|
+| SGLang    | eagle_config.eagle_aux_hidden_state_layer_ids (recent     | id + 1 (ids are outputs)    |
+|           | versions fall back to a top-level list)                  |                             |
+| vLLM      | top-level eagle_aux_hidden_state_layer_ids               | id (no shift)               |
+| llama.cpp | top-level list, read once by convert_hf_to_gguf.py;      | id (no shift); ids only in  |
+|           | baked into the GGUF as eagle3.target_layers              | eagle_config are dropped    |
+| all       | nothing stored                                           | default 2, L//2, L-3        |
+
+What it flags (each a Check with a fix): EAGLE-3 draft served as EAGLE (SGLang
+`--speculative-algorithm EAGLE`, vLLM `method: eagle` or a path that auto-detects as EAGLE-1), a
+missing draft, layer ids the engine will shift or drop, a draft for another vocabulary or target,
+tree settings that force a chain or cannot be built, removed or ambiguous options.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from .cmdline import Command, parse_line
+from .report import Check, failed, passed, warned
+
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+EAGLE1_FIX = "this draft is EAGLE-1/2 (fc over cat(embedding, last hidden)); serve it as EAGLE"
+
+
+@dataclass(frozen=True)
+class DraftFacts:
+    """What the draft is, as our loader read it (the truth the engines are compared with)."""
+    algorithm: str                        # "eagle3" | "eagle"
+    aux_layer_ids: tuple[int, ...]        # trained on these, "input to layer i"; () for EAGLE-1/2
+    vocab_size: int                       # target vocabulary the draft maps into
+    draft_vocab_size: int
+    config: dict[str, Any] = field(default_factory=dict)   # raw config.json, as engines read it
+    path: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    num_layers: int
+    vocab_size: int
+    hidden_size: int
+    path: Optional[str] = None
+
+
+def default_ids(num_layers: int) -> tuple[int, ...]:
+    return (2, num_layers // 2, num_layers - 3)
+
+
+# ---------------------------------------------------------------------------- reading local files
+def read_json(path: Path) -> Optional[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def read_target_facts(spec: Optional[str]) -> Optional[TargetFacts]:
+    """Target facts from a local HF directory or GGUF named on a launch line; None if not local."""
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_target(path)
+    cfg = read_json(path / "config.json") if path.is_dir() else None
+    if cfg is None:
+        return None
+    text = {**cfg, **(cfg.get("text_config") or {})}
+    try:
+        return TargetFacts(int(text["num_hidden_layers"]), int(text["vocab_size"]),
+                           int(text["hidden_size"]), str(path))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _gguf_fields(path: Path) -> Optional[dict]:
+    try:
+        from gguf import GGUFReader
+        return GGUFReader(str(path)).fields
+    except Exception:  # not a readable GGUF: reported by the caller as "unknown"
+        return None
+
+
+def _gguf_target(path: Path) -> Optional[TargetFacts]:
+    fields = _gguf_fields(path)
+    if fields is None or "general.architecture" not in fields:
+        return None
+    arch = fields["general.architecture"].contents()
+    try:
+        return TargetFacts(int(fields[f"{arch}.block_count"].contents()),
+                           len(fields["tokenizer.ggml.tokens"].data),
+                           int(fields[f"{arch}.embedding_length"].contents()), str(path))
+    except KeyError:
+        return None
+
+
+def read_draft_config(spec: Optional[str]) -> Optional[dict]:
+    if not spec:
+        return None
+    path = Path(spec).expanduser()
+    return read_json(path / "config.json") if path.is_dir() else None
+
+
+# ---------------------------------------------------------------------------- engine views of ids
+@dataclass(frozen=True)
+class EngineIds:
+    ids: tuple[int, ...]      # what the engine captures, "input to layer i"
+    source: str               # how it got them
+    alternative: Optional[tuple[int, ...]] = None   # what other versions of the engine capture
+
+
+def engine_ids(engine: str, config: dict, num_layers: int) -> EngineIds:
+    nested = (config.get("eagle_config") or {}).get(IDS_KEY)
+    top = config.get(IDS_KEY)
+    if engine == "sglang":
+        if nested:
+            return EngineIds(tuple(i + 1 for i in nested), f"eagle_config.{IDS_KEY}={list(nested)} +1")
+        if top:
+            return EngineIds(tuple(i + 1 for i in top), f"top-level {IDS_KEY}={list(top)} +1 (recent "
+                             "SGLang; older versions read only eagle_config)", default_ids(num_layers))
+        return EngineIds(default_ids(num_layers), "no ids stored: SGLang default")
+    if top:
+        return EngineIds(tuple(top), f"top-level {IDS_KEY}={list(top)}, no shift")
+    dropped = f" (eagle_config ids {list(nested)} are ignored)" if nested else ""
+    return EngineIds(default_ids(num_layers), f"no top-level ids: default 2, L//2, L-3{dropped}")
+
+
+def ids_fix(engine: str, ids: tuple[int, ...]) -> str:
+    if engine == "sglang":
+        return (f"set eagle_config.{IDS_KEY} = {[i - 1 for i in ids]} in the draft's config.json "
+                "(SGLang adds 1), or re-export with `eagle3 export --format specforge`")
+    if engine == "vllm":
+        return (f"set top-level {IDS_KEY} = {list(ids)} in the draft's config.json, or re-export "
+                "with `eagle3 export --format speculators`")
+    return (f"write top-level {IDS_KEY} = {list(ids)} into the draft's config.json, then re-run "
+            "convert_hf_to_gguf.py (ids only inside eagle_config are dropped)")
+
+
+def check_ids(engine: str, draft: Optional[DraftFacts], config: Optional[dict],
+              target: Optional[TargetFacts]) -> list[Check]:
+    name = f"launch.{engine}.layer_ids"
+    if draft is not None and draft.algorithm != "eagle3":
+        return []
+    if config is None or target is None:
+        return [warned(name, "cannot tell which layers the engine captures (draft config or "
+                             "target layer count unknown)",
+                       "pass --draft and --target (local paths) to eagle3 doctor")]
+    view = engine_ids(engine, config, target.num_layers)
+    if any(not 0 <= i < target.num_layers for i in view.ids):
+        return [failed(name, f"{engine} would capture layers {list(view.ids)} ({view.source}); the "
+                             f"target has {target.num_layers} layers",
+                       ids_fix(engine, draft.aux_layer_ids if draft else default_ids(target.num_layers)))]
+    if draft is None:
+        return [passed(name, f"{engine} captures inputs of layers {list(view.ids)} ({view.source}); "
+                             "pass --draft to compare with what the draft was trained on")]
+    if view.ids != draft.aux_layer_ids:
+        return [failed(name, f"{engine} captures inputs of layers {list(view.ids)} ({view.source}) "
+                             f"but the draft was trained on {list(draft.aux_layer_ids)}: it runs and "
+                             "acceptance silently drops", ids_fix(engine, draft.aux_layer_ids))]
+    if view.alternative is not None and view.alternative != draft.aux_layer_ids:
+        return [warned(name, f"{engine} captures {list(view.ids)} ({view.source}); an older SGLang "
+                             f"would capture {list(view.alternative)}",
+                       ids_fix(engine, draft.aux_layer_ids))]
+    return [passed(name, f"{engine} captures inputs of layers {list(view.ids)} = the draft's "
+                         f"{list(draft.aux_layer_ids)} ({view.source})")]
+
+
+# ---------------------------------------------------------------------------- shared checks
+def check_draft_path(engine: str, path: Optional[str], draft: Optional[DraftFacts],
+                     flag: str) -> list[Check]:
+    name = f"launch.{engine}.draft_path"
+    if not path:
+        return [failed(name, f"no draft model on the line ({flag} missing): nothing is speculated "
+                             "or the engine refuses to start", f"add {flag} DRAFT")]
+    local = Path(path).expanduser()
+    if draft is not None and draft.path and local.exists() and \
+            local.resolve() != Path(draft.path).expanduser().resolve():
+        return [warned(name, f"the line serves {path}, the doctor checked {draft.path}",
+                       "point the line at the draft that was checked, or check this one")]
+    where = "local" if local.exists() else "not a local path (hub id or remote: not inspected)"
+    return [passed(name, f"draft {path} ({where})")]
+
+
+def check_vocab(engine: str, draft: Optional[DraftFacts],
+                target: Optional[TargetFacts]) -> list[Check]:
+    name = f"launch.{engine}.vocab"
+    if draft is None or target is None:
+        return []
+    if draft.vocab_size != target.vocab_size:
+        return [failed(name, f"the draft maps into a {draft.vocab_size}-token vocabulary, the "
+                             f"target on the line has {target.vocab_size}",
+                       "serve the draft with the target it was trained for (same tokenizer)")]
+    if draft.draft_vocab_size > target.vocab_size:
+        return [failed(name, f"draft_vocab_size {draft.draft_vocab_size} > target vocabulary "
+                             f"{target.vocab_size}", "the draft belongs to another target")]
+    return [passed(name, f"draft vocab {draft.draft_vocab_size} -> target vocab {target.vocab_size}")]
+
+
+def check_same_target(engine: str, line_target: Optional[TargetFacts],
+                      target: Optional[TargetFacts]) -> list[Check]:
+    if line_target is None or target is None:
+        return []
+    a = (line_target.num_layers, line_target.hidden_size, line_target.vocab_size)
+    b = (target.num_layers, target.hidden_size, target.vocab_size)
+    if a != b:
+        return [failed(f"launch.{engine}.target", f"the line's target {line_target.path} has "
+                       f"(layers, hidden, vocab) = {a}; the checked target has {b}",
+                       "serve the draft on the target it was trained for")]
+    return []
+
+
+# ---------------------------------------------------------------------------- SGLang
+def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts]) -> list[Check]:
+    o = cmd.options
+    line_target = read_target_facts(o.get("model"))
+    target = target or line_target
+    out = [*_notes("sglang", cmd), *check_same_target("sglang", line_target, target)]
+    out += sglang_algorithm(o.get("algorithm"), draft)
+    out += check_draft_path("sglang", o.get("draft"), draft, "--speculative-draft-model-path")
+    config = (draft.config if draft and draft.config else None) or read_draft_config(o.get("draft"))
+    out += check_ids("sglang", draft, config, target)
+    out += check_vocab("sglang", draft, target)
+    out += sglang_tree(o)
+    return out
+
+
+def sglang_algorithm(algo: Optional[str], draft: Optional[DraftFacts]) -> list[Check]:
+    name = "launch.sglang.algorithm"
+    if not algo:
+        return [failed(name, "--speculative-algorithm is not set: the server runs without "
+                             "speculation", "add --speculative-algorithm EAGLE3")]
+    algo_u = algo.upper()
+    if algo_u not in ("EAGLE", "EAGLE3"):
+        return [failed(name, f"--speculative-algorithm {algo} is not an EAGLE algorithm",
+                       "use --speculative-algorithm EAGLE3 for an EAGLE-3 draft")]
+    if draft is None:
+        if algo_u == "EAGLE":
+            return [warned(name, "--speculative-algorithm EAGLE: if the draft is EAGLE-3 it gets one "
+                                 "hidden state instead of the fused layers and accepts nothing, "
+                                 "with no error (the documented incident)",
+                           "use --speculative-algorithm EAGLE3 for EAGLE-3 drafts; pass --draft to check")]
+        return [passed(name, "--speculative-algorithm EAGLE3")]
+    want = "EAGLE3" if draft.algorithm == "eagle3" else "EAGLE"
+    if algo_u != want:
+        return [failed(name, _algo_message(algo, draft),
+                       f"use --speculative-algorithm {want}" +
+                       ("" if want == "EAGLE3" else f" ({EAGLE1_FIX})"))]
+    return [passed(name, f"--speculative-algorithm {algo} matches the {want} draft")]
+
+
+def _algo_message(flag: str, draft: DraftFacts) -> str:
+    if draft.algorithm == "eagle3":
+        k = len(draft.aux_layer_ids)
+        return (f"{flag} on an EAGLE3 draft: the engine hands it one target hidden state, not the "
+                f"{k} fused layers {list(draft.aux_layer_ids)} its fc expects; it still runs and "
+                "acceptance falls to zero with no error (the documented incident)")
+    return f"{flag} on an EAGLE-1/2 draft: the engine would feed fused aux states to an fc over " \
+           "cat(embedding, hidden)"
+
+
+def sglang_tree(o: dict[str, str]) -> list[Check]:
+    name = "launch.sglang.tree"
+    raw = {k: o.get(k) for k in ("steps", "topk", "num_draft_tokens")}
+    if not any(raw.values()):
+        return [warned(name, "no --speculative-num-steps/--speculative-eagle-topk/"
+                             "--speculative-num-draft-tokens: SGLang picks per-architecture "
+                             "defaults (Llama 5/4/8; DeepseekV3 3/1/4, a chain)",
+                       "set all three explicitly, e.g. --speculative-num-steps 5 "
+                       "--speculative-eagle-topk 4 --speculative-num-draft-tokens 8")]
+    try:
+        vals = {k: int(v) for k, v in raw.items() if v}
+    except ValueError:
+        return [failed(name, f"non-integer tree setting in {raw}", "give integers")]
+    if len(vals) < 3:
+        missing = [k for k in raw if k not in vals]
+        return [warned(name, f"tree settings {vals}; {missing} left to SGLang's defaults",
+                       "set --speculative-num-steps, --speculative-eagle-topk and "
+                       "--speculative-num-draft-tokens together")]
+    return tree_consistency(name, vals["steps"], vals["topk"], vals["num_draft_tokens"])
+
+
+def tree_consistency(name: str, steps: int, topk: int, num_draft_tokens: int) -> list[Check]:
+    """EAGLE-2 tree: step 1 proposes topk nodes, each later step topk*topk candidates."""
+    if min(steps, topk, num_draft_tokens) < 1:
+        return [failed(name, f"steps={steps}, topk={topk}, num_draft_tokens={num_draft_tokens}: "
+                             "all must be >= 1", "use positive tree settings")]
+    shape = f"steps={steps}, topk={topk}, num_draft_tokens={num_draft_tokens}"
+    if topk == 1:
+        chain = [warned(name, f"{shape}: topk 1 forces a chain of {steps} tokens (no tree)",
+                        "use --speculative-eagle-topk >= 2 with num_draft_tokens > steps+1 for a tree, "
+                        "unless a chain was measured to be faster here")]
+        if num_draft_tokens != steps + 1:
+            chain.append(warned(name, f"{shape}: with topk 1 SGLang resets num_draft_tokens to "
+                                      f"steps+1 = {steps + 1}",
+                                f"set --speculative-num-draft-tokens {steps + 1}"))
+        return chain
+    reachable = topk + (steps - 1) * topk * topk
+    if num_draft_tokens - 1 > reachable:
+        return [failed(name, f"{shape}: {num_draft_tokens - 1} draft nodes requested but a tree of "
+                             f"that shape has only {reachable} candidates",
+                       f"lower --speculative-num-draft-tokens to <= {reachable + 1} or raise steps/topk")]
+    out = []
+    if num_draft_tokens - 1 < steps:
+        out.append(warned(name, f"{shape}: fewer nodes ({num_draft_tokens - 1}) than draft steps; the "
+                                "last steps can never be verified (wasted draft forwards)",
+                          f"lower --speculative-num-steps to {num_draft_tokens - 1}"))
+    if num_draft_tokens > steps * topk + 1:
+        out.append(warned(name, f"{shape}: more than steps*topk+1 = {steps * topk + 1} verified "
+                                "tokens; the extra nodes are low-score siblings that cost verify time",
+                          "measure; the usual range is num_draft_tokens <= steps*topk+1"))
+    return out or [passed(name, f"{shape}: a tree of {num_draft_tokens} nodes")]
+
+
+def _notes(engine: str, cmd: Command) -> list[Check]:
+    return [failed(f"launch.{engine}.option", note, "spell the option out in full")
+            for note in cmd.notes]
+
+
+# ---------------------------------------------------------------------------- vLLM
+def vllm_spec(cmd: Command) -> tuple[dict[str, Any], list[Check]]:
+    """The speculative config as vLLM would see it, from JSON, dotted keys or the old flags."""
+    o, checks = cmd.options, []
+    spec: dict[str, Any] = {}
+    if o.get("speculative_config"):
+        try:
+            spec = json.loads(o["speculative_config"])
+        except ValueError as e:
+            return {}, [failed("launch.vllm.speculative_config",
+                               f"--speculative-config is not valid JSON ({e})",
+                               "quote the JSON in single quotes: '{\"method\": \"eagle3\", ...}'")]
+    spec.update(cmd.dotted)
+    if o.get("old_draft"):
+        spec.setdefault("model", o["old_draft"])
+        checks.append(warned("launch.vllm.speculative_config",
+                             "--speculative-model is the old spelling (removed in recent vLLM)",
+                             "use --speculative-config '{\"method\": \"eagle3\", \"model\": ..., "
+                             "\"num_speculative_tokens\": N}'"))
+    if o.get("old_num_tokens"):
+        spec.setdefault("num_speculative_tokens", o["old_num_tokens"])
+    return spec, checks
+
+
+def vllm_method(spec: dict[str, Any]) -> tuple[str, str]:
+    """(method, how): vLLM guesses from the draft path when `method` is absent."""
+    if spec.get("method"):
+        return str(spec["method"]).lower(), "method"
+    model = str(spec.get("model") or "").lower()
+    if "eagle-" in model:
+        return "eagle", "guessed from the path ('eagle-' -> eagle)"
+    if "eagle3" in model:
+        return "eagle3", "guessed from the path ('eagle3' -> eagle3)"
+    return "draft_model", "no method and no 'eagle3' in the path -> draft_model"
+
+
+def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts]) -> list[Check]:
+    model = cmd.options.get("model") or (cmd.positionals[0] if cmd.positionals else None)
+    line_target = read_target_facts(model)
+    target = target or line_target
+    spec, out = vllm_spec(cmd)
+    out += check_same_target("vllm", line_target, target)
+    if not spec:
+        return out + [failed("launch.vllm.speculative_config", "no --speculative-config: the "
+                             "server runs without speculation",
+                             "add --speculative-config '{\"method\": \"eagle3\", \"model\": DRAFT, "
+                             "\"num_speculative_tokens\": 3}'")]
+    out += vllm_method_check(spec, draft)
+    out += check_draft_path("vllm", spec.get("model"), draft, "\"model\" in --speculative-config")
+    out += vllm_num_tokens(spec)
+    config = (draft.config if draft and draft.config else None) or read_draft_config(spec.get("model"))
+    out += check_ids("vllm", draft, config, target)
+    out += check_vocab("vllm", draft, target)
+    return out
+
+
+def vllm_method_check(spec: dict[str, Any], draft: Optional[DraftFacts]) -> list[Check]:
+    name = "launch.vllm.method"
+    method, how = vllm_method(spec)
+    want = None if draft is None else ("eagle3" if draft.algorithm == "eagle3" else "eagle")
+    if method not in ("eagle", "eagle3"):
+        return [failed(name, f"method {method} ({how}): the draft is not run as an EAGLE head",
+                       f"set \"method\": \"{want or 'eagle3'}\" in --speculative-config")]
+    if want is None:
+        if method == "eagle":
+            return [warned(name, f"method eagle ({how}): an EAGLE-3 draft run this way accepts "
+                                 "nothing", "use \"method\": \"eagle3\" for EAGLE-3 drafts")]
+        return [passed(name, f"method eagle3 ({how})")]
+    if method != want:
+        return [failed(name, _algo_message(f"method {method} ({how})", draft),
+                       f"set \"method\": \"{want}\" in --speculative-config")]
+    return [passed(name, f"method {method} ({how}) matches the draft")]
+
+
+def vllm_num_tokens(spec: dict[str, Any]) -> list[Check]:
+    name = "launch.vllm.num_speculative_tokens"
+    value = spec.get("num_speculative_tokens")
+    if value in (None, ""):
+        return [failed(name, "num_speculative_tokens missing: vLLM refuses an EAGLE draft without it",
+                       "add \"num_speculative_tokens\": 3 (vLLM drafts a chain of that length)")]
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        return [failed(name, f"num_speculative_tokens={value!r} is not an integer", "give an integer")]
+    if n < 1:
+        return [failed(name, f"num_speculative_tokens={n}", "use >= 1")]
+    return [passed(name, f"chain of {n} draft tokens per step")]
+
+
+# ---------------------------------------------------------------------------- llama.cpp
+def lint_llama_server(cmd: Command, draft: Optional[DraftFacts],
+                      target: Optional[TargetFacts]) -> list[Check]:
+    o = cmd.options
+    line_target = read_target_facts(o.get("model"))
+    target = target or line_target
+    out = check_same_target("llama.cpp", line_target, target)
+    if "removed_draft_n" in o:
+        out.append(failed("launch.llama.cpp.option", "--draft/--draft-max/--draft-min were removed "
+                          "from llama.cpp: the binary refuses them", "use --spec-draft-n-max N"))
+    out += llama_spec_type(o.get("spec_type"), draft)
+    path = o.get("draft") or o.get("draft_hf")
+    out += check_draft_path("llama.cpp", path, draft, "-md DRAFT.gguf")
+    if o.get("draft"):
+        out += llama_draft_gguf(Path(o["draft"]).expanduser(), draft, target)
+    out += llama_n_max(o.get("n_max"))
+    out += check_vocab("llama.cpp", draft, target)
+    return out
+
+
+def llama_spec_type(value: Optional[str], draft: Optional[DraftFacts]) -> list[Check]:
+    name = "launch.llama.cpp.spec_type"
+    if not value:
+        return [warned(name, "no --spec-type: llama.cpp infers it from the draft GGUF metadata "
+                             "(only the first split is read)", "add --spec-type draft-eagle3")]
+    types = [t.strip() for t in value.split(",")]
+    eagle3 = draft is None or draft.algorithm == "eagle3"
+    if eagle3 and "draft-eagle3" not in types:
+        return [failed(name, f"--spec-type {value}: an EAGLE-3 draft is not run as draft-eagle3 "
+                             "(draft-simple treats it as a standalone LM)",
+                       "use --spec-type draft-eagle3")]
+    if not eagle3:
+        return [failed(name, "llama.cpp runs EAGLE-3 drafts only (draft-eagle3); this draft is "
+                             "EAGLE-1/2", "serve EAGLE-1/2 drafts with SGLang (EAGLE) or vLLM (eagle)")]
+    return [passed(name, f"--spec-type {value}")]
+
+
+def llama_draft_gguf(path: Path, draft: Optional[DraftFacts],
+                     target: Optional[TargetFacts]) -> list[Check]:
+    name = "launch.llama.cpp.layer_ids"
+    if path.is_dir() or (path.exists() and path.suffix != ".gguf"):
+        return [failed("launch.llama.cpp.draft_format", f"{path} is not a GGUF file",
+                       "convert it: python convert_hf_to_gguf.py DRAFT_DIR --target-model-dir "
+                       "TARGET_DIR --outfile draft.gguf")]
+    fields = _gguf_fields(path) if path.is_file() else None
+    if fields is None:
+        return [warned(name, f"{path} not readable here: the layer ids baked in at conversion are "
+                             "not checked", "run the doctor where the GGUF is, or lint the "
+                                            "convert_hf_to_gguf.py step")]
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else None
+    if arch != "eagle3":
+        return [failed("launch.llama.cpp.draft_format", f"{path} has architecture {arch!r}, not "
+                       "eagle3: the converter did not detect an EAGLE-3 draft",
+                       "the draft config needs top-level draft_vocab_size and num_hidden_layers 1; "
+                       "re-run convert_hf_to_gguf.py with --target-model-dir")]
+    ids = tuple(int(i) for i in fields["eagle3.target_layers"].contents()) \
+        if "eagle3.target_layers" in fields else ()
+    if draft is None:
+        return [passed(name, f"GGUF captures inputs of layers {list(ids)}; pass --draft to compare")]
+    if ids != draft.aux_layer_ids:
+        return [failed(name, f"the GGUF captures inputs of layers {list(ids)}, the draft was trained "
+                             f"on {list(draft.aux_layer_ids)}", ids_fix("llama.cpp", draft.aux_layer_ids))]
+    return [passed(name, f"the GGUF captures inputs of layers {list(ids)} = the draft's")]
+
+
+def llama_n_max(value: Optional[str]) -> list[Check]:
+    name = "launch.llama.cpp.tree"
+    if value is None:
+        return [passed(name, "llama.cpp drafts a chain (no tree); --spec-draft-n-max defaults to 3")]
+    try:
+        n = int(value)
+    except ValueError:
+        return [failed(name, f"--spec-draft-n-max {value} is not an integer", "give an integer")]
+    if n < 1:
+        return [failed(name, f"--spec-draft-n-max {n}: nothing is drafted", "use >= 1 (e.g. 3-5)")]
+    return [passed(name, f"a chain of up to {n} draft tokens (llama.cpp does not draft trees)")]
+
+
+def lint_llama_convert(cmd: Command, draft: Optional[DraftFacts],
+                       target: Optional[TargetFacts]) -> list[Check]:
+    name = "launch.llama.cpp-convert"
+    draft_dir = cmd.positionals[0] if cmd.positionals else None
+    out = []
+    target_dir = cmd.options.get("target_dir")
+    if not target_dir:
+        out.append(failed(f"{name}.target_dir", "--target-model-dir missing: the converter refuses "
+                          "an EAGLE-3 draft without its target", "add --target-model-dir TARGET_DIR"))
+    line_target = read_target_facts(target_dir)
+    out += check_same_target("llama.cpp-convert", line_target, target)
+    target = target or line_target
+    out += check_draft_path("llama.cpp-convert", draft_dir, draft, "the DRAFT_DIR argument")
+    config = (draft.config if draft and draft.config else None) or read_draft_config(draft_dir)
+    if config is not None:
+        out += convert_detection(config)
+    out += check_ids("llama.cpp", draft, config, target)
+    return out
+
+
+def convert_detection(config: dict) -> list[Check]:
+    name = "launch.llama.cpp-convert.detect"
+    layers = (config.get("transformer_layer_config") or {}).get("num_hidden_layers",
+                                                                 config.get("num_hidden_layers"))
+    if "draft_vocab_size" not in config or config.get("num_hidden_layers", layers) != 1:
+        return [failed(name, "the converter detects EAGLE-3 by a top-level draft_vocab_size and "
+                             f"num_hidden_layers 1 (found draft_vocab_size="
+                             f"{config.get('draft_vocab_size')}, num_hidden_layers="
+                             f"{config.get('num_hidden_layers')}): it would convert a plain Llama",
+                       "add top-level draft_vocab_size and num_hidden_layers 1 to config.json")]
+    return [passed(name, "converter will detect an EAGLE-3 draft")]
+
+
+# ---------------------------------------------------------------------------- entry point
+LINTERS = {"sglang": lint_sglang, "vllm": lint_vllm, "llama.cpp": lint_llama_server,
+           "llama.cpp-convert": lint_llama_convert}
+
+
+def lint_launch(line: str, draft: Optional[DraftFacts] = None,
+                target: Optional[TargetFacts] = None) -> list[Check]:
+    """Checks for every SGLang / vLLM / llama.cpp command found in `line`."""
+    commands = parse_line(line)
+    if not commands:
+        return [failed("launch.engine", "no SGLang, vLLM or llama.cpp command found in the line",
+                       "pass the whole command: python -m sglang.launch_server ..., vllm serve ..., "
+                       "llama-server ... or python convert_hf_to_gguf.py ...")]
+    out: list[Check] = []
+    for cmd in commands:
+        out += LINTERS[cmd.engine](cmd, draft, target)
+    return out
