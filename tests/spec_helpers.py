@@ -1,8 +1,9 @@
 """Tiny random targets and drafts for the speculative-decoding tests (no files, no downloads)."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
+import pytest
 import torch
 
 from eagle3.generate import Engine, SamplingParams
@@ -12,6 +13,15 @@ from eagle3.spec.draft import DraftConfig, DraftOutput, Eagle1Draft, Eagle3Draft
 from eagle3.spec.tree import SpecParams
 
 AUX_IDS = (0, 2, 3)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Small ops on a shared 2-core machine run far faster on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 class StubTokenizer:
@@ -101,3 +111,21 @@ def plain_greedy(target: LlamaModel, prompt: list[int], max_new: int) -> list[in
 
 def spec_engine(target, draft, spec: SpecParams, max_len: int = 200) -> Engine:
     return Engine(target, StubTokenizer(), draft=draft, spec=spec, max_model_len=max_len)
+
+
+def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """Goodness-of-fit p-value of `counts` against `probs` (cells with expected < min_expected are
+    pooled). Cells of probability 0 must have no counts."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    assert counts[probs <= 0].sum() == 0, "a token of probability 0 was emitted"
+    expected = probs / probs.sum() * counts.sum()
+    big = expected >= min_expected
+    obs = torch.cat([counts[big], counts[~big].sum().view(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    dof = obs.numel() - 1
+    if dof == 0:
+        return 1.0                       # one possible outcome, and nothing else was emitted
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))

@@ -86,8 +86,8 @@ def target_features(target: LlamaModel, samples: Sequence[Sample], aux_ids: Sequ
     return feats
 
 
-def collate(samples: Sequence[Sample], feats: Sequence[Features]) -> Batch:
-    width = max(len(s.ids) for s in samples)
+def collate(samples: Sequence[Sample], feats: Sequence[Features], width: Optional[int] = None) -> Batch:
+    width = width or max(len(s.ids) for s in samples)
     valid = pad_stack([torch.ones(len(s.ids), dtype=torch.bool) for s in samples], width, False)
     return Batch(pad_stack([s.ids for s in samples], width), pad_stack([s.loss_mask for s in samples], width, False),
                  valid, pad_stack([f.aux.float() for f in feats], width),
@@ -183,13 +183,13 @@ class FeatureSource:
             raise ValueError("give exactly one of cache= or target=")
         self.samples, self.aux_ids, self.cache, self.target = samples, tuple(aux_ids), cache, target
 
-    def batch(self, indices: Sequence[int]) -> Batch:
+    def batch(self, indices: Sequence[int], width: Optional[int] = None) -> Batch:
         samples = [self.samples[i] for i in indices]
         if self.cache is not None:
             feats = [self.cache.get(i) for i in indices]
         else:
             feats = target_features(self.target, samples, self.aux_ids)
-        return collate(samples, feats)
+        return collate(samples, feats, width)
 
 
 def iter_lengths(samples: Sequence[Sample]) -> Iterator[int]:

@@ -1,0 +1,158 @@
+"""`eagle3 train`: data -> draft vocabulary -> features -> training-time test -> exported draft.
+
+    eagle3 train --target smollm2 --out runs/smollm2 [--config train.toml] [--dry-run]
+    torchrun --nproc-per-node 2 -m eagle3.train --out runs/x     (DDP: gloo on CPU, NCCL on GPU)
+
+Every stage is resumable: regenerated data is appended and skips done ids, feature shards are kept,
+and training resumes from <out>/checkpoint.pt (same seed, same data order, same result).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from ..errors import InputError
+from ..models.llama import LlamaModel
+from ..spec.draft import DraftConfig, Eagle3Draft
+from .config import TrainConfig
+from .features import FeatureCache, FeatureSource, Sample, build_cache, load_conversations
+from .trainer import Cursor, Dist, Run, TrainState, make_optimizer, restore, train_loop
+from .ttt import TTTConfig, TTTModel
+from .vocab import DraftVocab, build_vocab, count_tokens, coverage
+
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+class Prepared(NamedTuple):
+    samples: list[Sample]
+    train_idx: list[int]
+    eval_idx: list[int]
+    vocab: DraftVocab
+
+
+# ---------------------------------------------------------------------------- stages
+def split(num: int, eval_fraction: float) -> tuple[list[int], list[int]]:
+    """Every k-th conversation is held out (k = 1 / eval_fraction); deterministic."""
+    if eval_fraction <= 0 or num < 4:
+        return list(range(num)), []
+    every = max(2, round(1 / eval_fraction))
+    return [i for i in range(num) if i % every != every - 1], [i for i in range(num) if i % every == every - 1]
+
+
+def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optional[Path]) -> Prepared:
+    train_idx, eval_idx = split(len(samples), cfg.eval_fraction)
+    counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in train_idx), vocab_size)
+    vocab = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size))
+    if out is not None:
+        sizes = [v for v in COVERAGE_SIZES if v < vocab_size] + [vocab_size]
+        (out / "vocab.json").write_text(json.dumps({
+            "draft_vocab_size": len(vocab.used), "assistant_tokens": int(counts.sum()),
+            "distinct_tokens": int((counts > 0).sum()), "coverage": coverage(counts, sizes)}, indent=2))
+    return Prepared(samples, train_idx, eval_idx, vocab)
+
+
+def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle3Draft:
+    """Draft shaped like the target; embedding shared and frozen; lm_head starts as the target's rows."""
+    dcfg = DraftConfig.for_target(target.config, len(vocab.used), cfg.aux_layer_ids)
+    torch.manual_seed(cfg.seed)
+    draft = Eagle3Draft(dcfg)
+    draft.set_embedding(target.embed_tokens.weight.detach())
+    with torch.no_grad():
+        draft.d2t.copy_(vocab.d2t)
+        draft.t2d.copy_(vocab.t2d)
+        draft.lm_head.weight.copy_(target.lm_head.weight[vocab.used])
+        draft.norm.weight.copy_(target.norm.weight)
+    return draft
+
+
+def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], cfg: TrainConfig,
+                   d: Dist) -> FeatureSource:
+    if cfg.features == "online":
+        return FeatureSource(prep.samples, aux_ids, target=target)
+    if cfg.features != "cache":
+        raise InputError(f"features={cfg.features!r}: choose 'cache' or 'online'")
+    root = cfg.out_dir / "features"
+    if d.main and not FeatureCache.complete(root, aux_ids, len(prep.samples)):
+        build_cache(target, prep.samples, aux_ids, root,
+                    progress=lambda **kw: tqdm(desc="features", mininterval=10, **kw))
+    if d.world > 1:
+        dist.barrier()
+    return FeatureSource(prep.samples, aux_ids, cache=FeatureCache(root))
+
+
+def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist,
+              out: Optional[Path]) -> tuple[Run, TTTModel]:
+    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None)
+    draft = make_draft(target, cfg, prep.vocab)
+    model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay))
+    wrapped = torch.nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
+    source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d)
+    ckpt_dir = out or cfg.out_dir
+    run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],
+              prep.train_idx, prep.eval_idx, ckpt_dir / "checkpoint.pt", ckpt_dir / "train_log.jsonl")
+    return run, model
+
+
+def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist = Dist(),
+          out: Optional[Path] = None, progress=None) -> Eagle3Draft:
+    """Train (resuming from out/checkpoint.pt when present) and return the draft."""
+    out = out or cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    run, model = build_run(target, samples, cfg, d, out)
+    state = TrainState(0, Cursor(0, 0))
+    if run.ckpt.is_file():
+        state = restore(run.ckpt, model, run.opt)
+    train_loop(run, cfg, state, d, progress)
+    return model.draft
+
+
+# ---------------------------------------------------------------------------- entry point
+def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
+    ap = argparse.ArgumentParser(prog="eagle3 train", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", type=Path, help="TOML or JSON file with TrainConfig fields")
+    ap.add_argument("--target", help="target model (.gguf, HF dir, or 'smollm2')")
+    ap.add_argument("--out", help="run directory (data, features, checkpoint, log, exported draft)")
+    ap.add_argument("--data", help="conversations.jsonl from the data step (default <out>/data/...)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                    help="override one config field, e.g. --set lr=1e-4 --set epochs=3")
+    ap.add_argument("--dry-run", action="store_true", help="tiny random model, synthetic data, a few steps")
+    args = ap.parse_args(argv)
+    d = TrainConfig.from_file(args.config).to_dict() if args.config else {}
+    for key in ("target", "out", "data"):
+        if getattr(args, key):
+            d[key] = getattr(args, key)
+    for item in args.set:
+        key, _, value = item.partition("=")
+        d[key] = json.loads(value) if value[:1] in "[{0123456789-tfn\"" else value
+    return TrainConfig.from_dict(d), args
+
+
+def init_dist() -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return Dist()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    return Dist(dist.get_rank(), world)
+
+
+def train_main(argv: list[str]) -> int:
+    """CLI entry: `eagle3 train ...` (also `python -m eagle3.train` / torchrun)."""
+    cfg, args = parse_args(argv)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    d = init_dist()
+    if args.dry_run:
+        from .dryrun import dry_run
+        return dry_run(cfg, d)
+    from .real import run_pipeline
+    return run_pipeline(cfg, d)
