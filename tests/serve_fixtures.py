@@ -45,8 +45,10 @@ class GroupedDecoder:
     but the last of a group reported as accepted draft tokens. The output is exactly the plain
     decoder's; only the per-step bookkeeping imitates speculation (a known drafted pattern)."""
 
-    def __init__(self, plain: PlainDecoder, depth: int, delay_s: float = 0.0):
+    def __init__(self, plain: PlainDecoder, depth: int, delay_s: float = 0.0,
+                 never_accept: bool = False):
         self.plain, self.depth, self.delay_s = plain, depth, delay_s
+        self.never_accept = never_accept      # a draft whose proposals are all rejected
         self.steps = 0
 
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
@@ -55,7 +57,7 @@ class GroupedDecoder:
     def step(self) -> Step:
         if self.delay_s:
             time.sleep(self.delay_s)
-        group = 1 + self.steps % (self.depth + 1)
+        group = 1 if self.never_accept else 1 + self.steps % (self.depth + 1)
         self.steps += 1
         tokens = [t for _ in range(group) for t in self.plain.step().tokens]
         return Step(tokens, group - 1, proposed=self.depth)
@@ -70,21 +72,13 @@ class GroupedEngine(Engine):
         super().__init__(target, tok, spec=spec, max_model_len=max_model_len)
         self.draft = "grouped-stand-in"
         self.delay_s = delay_s
+        self.never_accept = False
 
     def make_decoder(self, params: SamplingParams, speculative: bool = True):
         plain = PlainDecoder(self.target, self.cache, params)
-        return GroupedDecoder(plain, self.spec.depth, self.delay_s) if speculative else plain
-
-
-class FakeMonitor:
-    """Stands in for eagle3.spec.monitor.AcceptanceMonitor with a switchable `degraded`."""
-
-    def __init__(self, degraded: bool):
-        self.degraded, self.tau = degraded, 1.0
-
-    def snapshot(self) -> dict:
-        return {"steps": 40, "proposed_tokens": 80, "accepted_tokens": 0, "tau": 1.0,
-                "degraded": self.degraded}
+        if not speculative:
+            return plain
+        return GroupedDecoder(plain, self.spec.depth, self.delay_s, self.never_accept)
 
 
 def free_socket() -> socket.socket:

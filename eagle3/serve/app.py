@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..errors import Eagle3Error
+from ..errors import Eagle3Error, InputError
 from ..generate import Chunk, GenerationResult, encode_prompt
 from .highlight import DraftSpans
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -260,12 +260,16 @@ class Generation:
             self.metrics.requests.labels(self.endpoint, "499").inc()
 
     def _engine_error(self, e: Exception) -> APIError:
-        self.metrics.requests.labels(self.endpoint, "500" if not isinstance(e, Eagle3Error)
-                                     else "400").inc()
-        if isinstance(e, Eagle3Error):
-            return APIError(400, str(e), code="invalid_value")
-        return APIError(500, f"generation failed: {type(e).__name__}", type="server_error",
-                        code="internal_error")
+        """InputError is the client's (400); anything else is the server's (500). Our own errors
+        carry a message meant for people; a foreign exception is named by its type only."""
+        if isinstance(e, InputError):
+            error = APIError(400, str(e), code="invalid_value")
+        else:
+            detail = str(e) if isinstance(e, Eagle3Error) else type(e).__name__
+            error = APIError(500, f"generation failed: {detail}", type="server_error",
+                             code="internal_error")
+        self.metrics.requests.labels(self.endpoint, str(error.status)).inc()
+        return error
 
     def _account(self, chunk: Chunk) -> None:
         m, now = self.metrics, time.perf_counter()

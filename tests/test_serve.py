@@ -1,0 +1,404 @@
+"""The server end to end on loopback: the real `openai` client against uvicorn, bad input, metrics,
+load, disconnects, a full queue, health. Tiny random target + the real SmolLM2 tokenizer; the engine
+is GroupedEngine (plain tokens reported in speculative-looking groups), so outputs must equal the
+plain engine's while the server sees drafted tokens."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from eagle3.generate import Engine, SamplingParams
+from eagle3.serve import create_app
+from serve_fixtures import GroupedEngine, RunningServer, tiny_target, tokenizer
+
+KEY = "sk-test-key"
+MODEL = "tiny"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target()
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    """A second engine on the same weights: what `eagle3 generate` gives (plain decoding)."""
+    return Engine(target, tokenizer(), max_model_len=CTX)
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    app = create_app(GroupedEngine(target, tokenizer(), max_model_len=CTX), model_name=MODEL,
+                     api_key=KEY)
+    with RunningServer(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=n, **kw)
+
+
+def metrics(url: str) -> dict[tuple, float]:
+    """{(sample name, sorted label items): value} from /metrics."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+# ---------------------------------------------------------------------------- openai client
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_equals_engine_generate(client, reference):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello!"}]
+    ref = reference.generate(messages=messages, params=greedy(24))
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                          temperature=0)
+    assert resp.choices[0].message.content == ref.text
+    assert resp.choices[0].finish_reason == ref.finish_reason == "length"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens) == (ref.prompt_tokens, 24)
+    stats = resp.model_extra["eagle3"]
+    assert stats["draft_tokens_accepted"] > 0 and stats["tau"] > 1.0
+    assert stats["tokens"] == 24
+
+
+def test_chat_stream_equals_engine_generate(client, reference):
+    messages = [{"role": "user", "content": "Tell me about owls."}]
+    ref = reference.generate(messages=messages, params=greedy(30))
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=30,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ref.text
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert [c.choices[0].finish_reason for c in finals] == ["length"]
+    assert chunks[-1].usage.completion_tokens == 30 and not chunks[-1].choices
+    live = [c.model_extra["eagle3"] for c in chunks if c.choices and "eagle3" in c.model_extra]
+    for c, extra in zip([c for c in chunks if c.choices and "eagle3" in c.model_extra], live):
+        assert "".join(t for t, _ in extra["segments"]) == c.choices[0].delta.content
+    assert any(d for extra in live for _, d in extra["segments"])        # drafted runs present
+    assert any(not d for extra in live for _, d in extra["segments"])
+    assert live[-1]["stats"]["tokens"] == 30
+
+
+def test_completions_equal_engine_generate(client, reference):
+    prompt = "The quick brown fox"
+    ref = reference.generate(prompt=prompt, chat=False, params=greedy(20))
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+    assert resp.choices[0].text == ref.text and resp.usage.prompt_tokens == ref.prompt_tokens
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == ref.text
+
+
+def test_completions_token_id_prompt_and_stop(client, reference):
+    ids = tokenizer().encode("Once upon a time", add_special_tokens=False)
+    full = reference.generate(prompt_ids=ids, params=greedy(30)).text
+    stop = full.split()[3]                       # a word from the middle of the greedy output
+    ref = reference.generate(prompt_ids=ids, params=greedy(30, stop=(stop,)))
+    assert ref.finish_reason == "stop" and stop not in ref.text
+    resp = client.completions.create(model=MODEL, prompt=ids, max_tokens=30, temperature=0,
+                                     stop=[stop])
+    assert resp.choices[0].text == ref.text and resp.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_equals_engine(client, reference):
+    messages = [{"role": "user", "content": "Pick a word."}]
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=40, seed=7, max_new_tokens=16)
+    ref = reference.generate(messages=messages, params=params)
+    texts = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16,
+                                            temperature=0.9, top_p=0.95, seed=7,
+                                            extra_body={"top_k": 40}).choices[0].message.content
+             for _ in range(2)]
+    assert texts == [ref.text, ref.text]
+
+
+# ---------------------------------------------------------------------------- bad input
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+LONG_PROMPT = "word " * 400          # ~400 tokens > the 256-token context
+
+BAD = [  # (name, method, path, body (dict -> JSON, bytes -> raw), headers, status)
+    ("malformed json", "POST", "/v1/chat/completions", b'{"messages": [', AUTH, 400),
+    ("malformed json completions", "POST", "/v1/completions", b"prompt=hi", AUTH, 400),
+    ("body is a list", "POST", "/v1/chat/completions", b"[1, 2]", AUTH, 400),
+    ("messages wrong type", "POST", "/v1/chat/completions", {**GOOD, "messages": "hi"}, AUTH, 400),
+    ("max_tokens wrong type", "POST", "/v1/chat/completions", {**GOOD, "max_tokens": "8"}, AUTH, 400),
+    ("temperature wrong type", "POST", "/v1/chat/completions", {**GOOD, "temperature": "hot"},
+     AUTH, 400),
+    ("stream wrong type", "POST", "/v1/chat/completions", {**GOOD, "stream": "yes"}, AUTH, 400),
+    ("stop wrong type", "POST", "/v1/completions", {"prompt": "a", "stop": 5}, AUTH, 400),
+    ("negative max_tokens", "POST", "/v1/chat/completions", {**GOOD, "max_tokens": -5}, AUTH, 400),
+    ("zero max_tokens", "POST", "/v1/completions", {"prompt": "a", "max_tokens": 0}, AUTH, 400),
+    ("huge max_tokens", "POST", "/v1/chat/completions", {**GOOD, "max_tokens": 10**12}, AUTH, 400),
+    ("prompt longer than context", "POST", "/v1/completions",
+     {"prompt": LONG_PROMPT, "max_tokens": 1}, AUTH, 400),
+    ("chat longer than context", "POST", "/v1/chat/completions",
+     {**GOOD, "messages": [{"role": "user", "content": LONG_PROMPT}]}, AUTH, 400),
+    ("unknown model", "POST", "/v1/chat/completions", {**GOOD, "model": "gpt-9"}, AUTH, 404),
+    ("model as a file path", "POST", "/v1/completions",
+     {"model": "/etc/passwd", "prompt": "a"}, AUTH, 404),
+    ("empty messages", "POST", "/v1/chat/completions", {**GOOD, "messages": []}, AUTH, 400),
+    ("missing messages", "POST", "/v1/chat/completions", {"model": MODEL}, AUTH, 400),
+    ("empty prompt", "POST", "/v1/completions", {"prompt": ""}, AUTH, 400),
+    ("unknown role", "POST", "/v1/chat/completions",
+     {**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, AUTH, 400),
+    ("image content part", "POST", "/v1/chat/completions",
+     {**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     AUTH, 400),
+    ("unsupported field tools", "POST", "/v1/chat/completions", {**GOOD, "tools": []}, AUTH, 400),
+    ("unsupported field suffix", "POST", "/v1/completions", {"prompt": "a", "suffix": "b"}, AUTH, 400),
+    ("n=2", "POST", "/v1/chat/completions", {**GOOD, "n": 2}, AUTH, 400),
+    ("logprobs", "POST", "/v1/completions", {"prompt": "a", "logprobs": 5}, AUTH, 400),
+    ("top_p out of range", "POST", "/v1/chat/completions", {**GOOD, "top_p": 1.5}, AUTH, 400),
+    ("negative temperature", "POST", "/v1/chat/completions", {**GOOD, "temperature": -1}, AUTH, 400),
+    ("token id out of vocab", "POST", "/v1/completions", {"prompt": [1, 10**9]}, AUTH, 400),
+    ("batched prompts", "POST", "/v1/completions", {"prompt": ["a", "b"]}, AUTH, 400),
+    ("missing api key", "POST", "/v1/chat/completions", GOOD, {}, 401),
+    ("wrong api key", "POST", "/v1/chat/completions", GOOD, {"Authorization": "Bearer nope"}, 401),
+    ("basic auth instead of bearer", "GET", "/v1/models", None, {"Authorization": f"Basic {KEY}"},
+     401),
+    ("unknown endpoint", "POST", "/v1/embeddings", {"input": "a"}, AUTH, 404),
+    ("path traversal", "GET", "/static/../../etc/passwd", None, {}, 404),
+    ("wrong method", "GET", "/v1/chat/completions", None, AUTH, 405),
+    ("body too large", "POST", "/v1/completions", b"x" * (5 << 20), AUTH, 413),
+]
+
+
+def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, client):
+    assert len(BAD) >= 20
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for name, method, path, body, headers, status in BAD:
+            kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            r = http.request(method, path, headers=headers, **({} if body is None else kw))
+            assert r.status_code == status, (name, r.status_code, r.text[:300])
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, name
+            assert isinstance(err["message"], str) and len(err["message"]) > 5, name
+            if status == 401:
+                assert r.headers["www-authenticate"] == "Bearer"
+    resp = client.chat.completions.create(model=MODEL, messages=GOOD["messages"], max_tokens=3,
+                                          temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+
+
+def test_errors_name_the_field(server):
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                   json={**GOOD, "frequency_penalty": 1.0})
+    assert r.json()["error"]["param"] == "frequency_penalty"
+    r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=30,
+                   json={**GOOD, "max_tokens": 300})
+    assert r.json()["error"]["param"] == "max_tokens" and "256" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------- metrics, health
+def test_metrics_counters_move(server, client):
+    before = metrics(server.url)
+    messages = [{"role": "user", "content": "Count to three."}]
+    r1 = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Rain", max_tokens=9, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    httpx.post(server.url + "/v1/chat/completions", headers=AUTH, json={**GOOD, "n": 5}, timeout=30)
+    after = metrics(server.url)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    s1 = r1.model_extra["eagle3"]
+    s2 = [c for c in chunks if c.choices and c.choices[0].finish_reason][0].model_extra["eagle3"]["stats"]
+    usage2 = chunks[-1].usage
+    assert delta("eagle3:requests_total", endpoint="chat", status="200") == 1
+    assert delta("eagle3:requests_total", endpoint="completions", status="200") == 1
+    assert delta("eagle3:requests_total", endpoint="chat", status="400") == 1
+    assert delta("eagle3:prompt_tokens_total") == r1.usage.prompt_tokens + usage2.prompt_tokens
+    assert delta("eagle3:generation_tokens_total") == 12 + 9
+    assert delta("eagle3:e2e_request_latency_seconds_count") == 2
+    assert delta("eagle3:time_to_first_token_seconds_count") == 2
+    assert delta("eagle3:request_success_total", finish_reason="length") == 2
+    assert delta("eagle3:spec_decode_num_drafts_total") == s1["decode_steps"] + s2["decode_steps"]
+    assert delta("eagle3:spec_decode_num_draft_tokens_total") == (
+        s1["draft_tokens_proposed"] + s2["draft_tokens_proposed"])
+    assert delta("eagle3:spec_decode_num_accepted_tokens_total") == (
+        s1["draft_tokens_accepted"] + s2["draft_tokens_accepted"]) > 0
+    for k in (1, 2):
+        expect = sum(round(s["acceptance_per_position"][k - 1] * s["decode_steps"]) for s in (s1, s2))
+        assert delta("eagle3:spec_decode_num_accepted_tokens_per_pos_total", position=str(k)) == expect
+    assert delta("eagle3:spec_decode_acceptance_length_sum") == sum(      # accepted + 1 per step
+        s["decode_steps"] + s["draft_tokens_accepted"] for s in (s1, s2))
+    assert after[("eagle3:num_requests_waiting", ())] == 0
+    assert after[("eagle3:num_requests_running", ())] == 0
+
+
+def test_health_reports_degraded_and_warns(target, caplog):
+    """The engine's AcceptanceMonitor over a draft whose proposals are all rejected."""
+    from eagle3.spec.monitor import AcceptanceMonitor
+    engine = GroupedEngine(target, tokenizer(), max_model_len=CTX)
+    engine.monitor = AcceptanceMonitor(window=8)
+    chat = {**GOOD, "max_tokens": 12, "temperature": 0}
+    with TestClient(create_app(engine, model_name=MODEL)) as http:
+        assert http.get("/health").json()["status"] == "ok"
+        engine.never_accept = True
+        with caplog.at_level(logging.WARNING, logger="eagle3.serve"):
+            assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        assert any("not paying off" in rec.message for rec in caplog.records
+                   if rec.name == "eagle3.serve")
+        body = http.get("/health").json()
+        assert body["status"] == "degraded" and "layer ids" in body["reason"]
+        assert body["acceptance"]["accepted_tokens"] == 0
+        assert "eagle3:spec_decode_degraded 1.0" in http.get("/metrics").text
+        engine.never_accept = False
+        assert http.post("/v1/chat/completions", json=chat).status_code == 200
+        assert http.get("/health").json()["status"] == "ok"
+
+
+# ---------------------------------------------------------------------------- load
+PROMPTS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(32)]
+
+
+async def stream_one(aclient, prompt: str) -> tuple[str, float]:
+    t0 = time.perf_counter()
+    stream = await aclient.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
+        stream=True)
+    text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+    return text, time.perf_counter() - t0
+
+
+async def load_run(url: str, prompts: list[str], concurrent: bool):
+    async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
+                                  timeout=120) as aclient:
+        t0 = time.perf_counter()
+        if concurrent:
+            results = await asyncio.gather(*(stream_one(aclient, p) for p in prompts))
+        else:
+            results = [await stream_one(aclient, p) for p in prompts]
+        return results, time.perf_counter() - t0
+
+
+def test_load_32_concurrent_streams(server):
+    serial, _ = asyncio.run(load_run(server.url, PROMPTS, concurrent=False))
+    results, wall = asyncio.run(load_run(server.url, PROMPTS, concurrent=True))
+    assert [t for t, _ in results] == [t for t, _ in serial]
+    assert all(len(t) > 0 for t, _ in results)
+    lat = sorted(s for _, s in results)
+    p50, p95 = statistics.median(lat), lat[int(0.95 * (len(lat) - 1))]
+    print(f"\nload: 32 concurrent streaming clients x 16 tokens (tiny model): "
+          f"{len(results) / wall:.1f} req/s, p50 {p50 * 1000:.0f} ms, p95 {p95 * 1000:.0f} ms, "
+          f"serial mean {statistics.mean(s for _, s in serial) * 1000:.0f} ms")
+
+
+# ---------------------------------------------------------------------------- faults
+@pytest.fixture
+def slow_server(target):
+    """Each decode step sleeps 50 ms: an uncancelled 200-token request would hold the engine ~5 s."""
+    engine = GroupedEngine(target, tokenizer(), max_model_len=CTX, delay_s=0.05)
+    app = create_app(engine, model_name=MODEL, max_queue=1)
+    with RunningServer(app) as s:
+        s.app = app
+        yield s
+
+
+def open_stream(url: str, max_tokens: int):
+    http = httpx.Client(timeout=30)
+    req = http.build_request("POST", url + "/v1/chat/completions",
+                             json={**GOOD, "max_tokens": max_tokens, "stream": True,
+                                   "temperature": 0})
+    return http, http.send(req, stream=True)
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_disconnect_mid_stream_frees_the_engine(slow_server):
+    http, resp = open_stream(slow_server.url, 200)
+    lines = resp.iter_lines()
+    events = []
+    for ln in lines:
+        if ln.startswith("data:"):
+            events.append(ln)
+        if len(events) >= 3:
+            break
+    t_close = time.perf_counter()
+    resp.close()
+    http.close()
+    worker = slow_server.app.state.server.worker
+    assert wait_for(lambda: worker.running is None, 2.0), "generation kept running after disconnect"
+    r = httpx.post(slow_server.url + "/v1/chat/completions", json={**GOOD, "max_tokens": 4},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert time.perf_counter() - t_close < 3.0
+    m = metrics(slow_server.url)
+    assert m[("eagle3:requests_cancelled_total", ())] == 1
+    assert m[("eagle3:generation_tokens_total", ())] < 60          # far fewer than 200 + 4
+
+
+def test_full_queue_answers_503_with_retry_after(slow_server):
+    http, running = open_stream(slow_server.url, 200)          # occupies the engine
+    lines = running.iter_lines()         # keep a reference: a dropped iterator closes the stream
+    next(lines)
+    worker = slow_server.app.state.server.worker
+    assert wait_for(lambda: worker.running is not None)
+    queued = {}
+    t = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+        slow_server.url + "/v1/chat/completions", json=GOOD, timeout=60)))
+    t.start()
+    assert wait_for(lambda: worker.waiting == 1)
+    r = httpx.post(slow_server.url + "/v1/chat/completions", json=GOOD, timeout=30)
+    assert r.status_code == 503 and int(r.headers["retry-after"]) >= 1
+    assert r.json()["error"]["code"] == "queue_full"
+    running.close()
+    http.close()
+    t.join(timeout=30)
+    assert queued["r"].status_code == 200
+
+
+# ---------------------------------------------------------------------------- real speculation
+def test_real_spec_decoder_served_equals_plain(target):
+    """The engine's own SpecDecoder with a random EAGLE-3 draft: same greedy text as plain decoding,
+    and the proposals show up in the response stats."""
+    import torch
+
+    from eagle3.spec.draft import DraftConfig, Eagle3Draft
+    from eagle3.spec.tree import SpecParams
+    torch.manual_seed(3)
+    draft = Eagle3Draft(DraftConfig.for_target(target.config, aux_layer_ids=(0, 2, 3))).eval()
+    draft.set_embedding(target.embed_tokens.weight)
+    engine = Engine(target, tokenizer(), draft=draft,
+                    spec=SpecParams(top_k=2, depth=3, num_draft_tokens=5), max_model_len=CTX)
+    plain = Engine(target, tokenizer(), max_model_len=CTX)
+    messages = [{"role": "user", "content": "Speculate."}]
+    ref = plain.generate(messages=messages, params=greedy(12))
+    with TestClient(create_app(engine, model_name=MODEL)) as http:
+        body = http.post("/v1/chat/completions", json={**GOOD, "messages": messages,
+                                                        "max_tokens": 12, "temperature": 0}).json()
+        health = http.get("/health").json()
+    assert body["choices"][0]["message"]["content"] == ref.text
+    stats = body["eagle3"]
+    assert stats["speculative"] and stats["draft_tokens_proposed"] == 4 * stats["decode_steps"]
+    assert len(stats["acceptance_per_position"]) == 3
+    assert health["acceptance"]["steps"] == stats["decode_steps"]
