@@ -92,3 +92,21 @@ def test_capture_ids_checked(pair):
 def test_default_capture_ids():
     cfg = ModelConfig.from_hf(dict(FAMILIES["llama3"], num_hidden_layers=30))
     assert cfg.default_aux_layer_ids == (2, 15, 27)
+
+
+def test_packed_model_matches_unpacked(pair):
+    import copy
+
+    from eagle3.models.packed import pack_for_inference
+    _, ours = pair
+    packed = pack_for_inference(copy.deepcopy(ours))
+    ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(5))
+    for model in (ours, packed):
+        cache = model.new_cache(32)
+        full = model(ids, torch.arange(12), cache, capture_ids=(1, 2))
+        one = model(ids[:, :1], torch.tensor([12]), cache)
+        if model is ours:
+            ref_full, ref_one = full, one
+    assert torch.allclose(full.logits, ref_full.logits, atol=1e-5)
+    assert torch.allclose(full.aux, ref_full.aux, atol=1e-5)
+    assert torch.allclose(one.logits, ref_one.logits, atol=1e-5)

@@ -82,14 +82,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
+    def project_qkv(self, x: torch.Tensor):
+        if hasattr(self, "qkv"):  # fused by models.packed.pack_for_inference
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            return self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_buf: torch.Tensor, v_buf: torch.Tensor, start: int,
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
         # x [B, T, hidden_in]; k_buf/v_buf [B, kv_heads, S, D]; mask bool [B|1, 1, T, start+T] or None
         bsz, seq, _ = x.shape
-        q = self.q_proj(x).view(bsz, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(bsz, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(bsz, seq, self.num_heads, self.head_dim)
+        k = k.view(bsz, seq, self.num_kv_heads, self.head_dim)
+        v = v.view(bsz, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
@@ -111,6 +118,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up"):  # fused by models.packed.pack_for_inference
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

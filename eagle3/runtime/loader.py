@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from ..errors import LoadError
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
+from ..models.packed import pack_for_inference
 from .assets import DEFAULT_MODEL, default_target_gguf
 
 # checkpoint key prefix -> module key prefix; keys matching IGNORED are derived buffers.
@@ -171,7 +172,10 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 
 
 def load_model(hf_dir: Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, max_position: Optional[int] = None) -> LlamaModel:
+               dtype: torch.dtype = torch.float32, max_position: Optional[int] = None,
+               pack: bool = False) -> LlamaModel:
+    """Strictly load an HF directory into the native model. `pack`: fuse and prepack the weights
+    for fast inference (models.packed); the result is frozen and has no per-projection weights."""
     cfg = ModelConfig.from_hf(read_hf_config(hf_dir))
     with torch.device("meta"):
         model = LlamaModel(cfg, max_position)
@@ -181,7 +185,8 @@ def load_model(hf_dir: Path, device: str | torch.device = "cpu",
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     load_state_strict(model, read_safetensors(checkpoint_files(hf_dir)))
-    return model.eval()
+    model.eval().requires_grad_(False)
+    return pack_for_inference(model) if pack else model
 
 
 def load_tokenizer(hf_dir: Path):

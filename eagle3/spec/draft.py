@@ -121,7 +121,7 @@ class DraftBase(nn.Module):
         self.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
-        p = self.fc.weight
+        p = self.embed_tokens.weight
         return KVCache(1, self.config.num_kv_heads, self.config.head_dim, max_len, batch,
                        p.dtype, p.device)
 

@@ -1,0 +1,63 @@
+"""One call from names to a ready Engine: resolve the target, the draft and the tree shape."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .generate import Engine
+
+SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
+
+
+def pick_device(device: Optional[str] = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def default_draft_path(model: Optional[str]) -> Optional[Path]:
+    """The shipped draft goes with the packaged default target only."""
+    from .runtime.assets import DEFAULT_MODEL
+    if model in (None, "", "default", DEFAULT_MODEL) and (DEFAULT_DRAFT / "config.json").is_file():
+        return DEFAULT_DRAFT
+    return None
+
+
+def load_target(model: Optional[str], device: torch.device, dtype: torch.dtype):
+    """Native model when the architecture is supported, else the generic HF adapter."""
+    from .adapters import load_target as load_any
+    from .runtime.loader import load_tokenizer, resolve_model
+    return load_any(model, device, dtype), load_tokenizer(resolve_model(model).hf_dir)
+
+
+def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
+                device: Optional[str] = None, dtype: torch.dtype = torch.float32,
+                max_model_len: int = 2048, algorithm: Optional[str] = None,
+                pack: bool = True) -> Engine:
+    """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
+    the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
+    algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
+    contract is checked here, before anything runs). pack: prepack weights for CPU inference."""
+    from .models.llama import LlamaModel
+    from .models.packed import pack_for_inference
+    dev = pick_device(device)
+    target, tokenizer = load_target(model, dev, dtype)
+    draft_path = default_draft_path(model) if draft == "default" else (
+        None if draft in (None, "", "none") else Path(draft))
+    drafter = None
+    if draft_path is not None:
+        from .spec.contract import check_pair
+        from .spec.formats import load_draft
+        loaded = load_draft(draft_path, target.config, algorithm=algorithm, device=dev, dtype=dtype,
+                            target=target)
+        check_pair(target.config, loaded.draft, algorithm, target, loaded.info)
+        drafter = loaded.draft.requires_grad_(False)
+    if pack and dev.type == "cpu":
+        if isinstance(target, LlamaModel):
+            pack_for_inference(target)
+        if drafter is not None:
+            pack_for_inference(drafter)
+    return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len)

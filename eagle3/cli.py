@@ -1,0 +1,131 @@
+"""The `eagle3` command line: generate, info, serve, train, export, doctor, bench.
+
+Subcommands owned by other packages are thin wrappers over their `*_main(argv)` functions, imported
+only when used, so `eagle3 generate` does not pay for the server or the trainer.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Optional
+
+from .errors import Eagle3Error
+
+DELEGATED = {  # subcommand -> (module, function, help)
+    "serve": ("eagle3.serve", "serve_main", "OpenAI-compatible server with speculation metrics"),
+    "train": ("eagle3.train", "train_main", "train an EAGLE-3 draft for a target"),
+    "export": ("eagle3.spec.export", "export_main", "export a draft for SGLang / vLLM / llama.cpp"),
+    "doctor": ("eagle3.doctor", "doctor_main", "check a target/draft pair or a launch line"),
+    "bench": ("eagle3.bench", "bench_main", "benchmark against HF transformers and llama.cpp"),
+}
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="default",
+                   help="draft checkpoint dir; 'default' = the shipped draft for the default model; "
+                        "'none' = plain decoding")
+    p.add_argument("--algorithm", choices=["eagle3", "eagle"], type=str.lower,
+                   help="assert the draft's algorithm (read from the checkpoint; a mismatch is an error)")
+    p.add_argument("--top-k", type=int, default=None, help="tree: children per node (1 = chain)")
+    p.add_argument("--depth", type=int, default=None, help="tree: draft forwards per step")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tree: nodes verified per step, root included")
+
+
+def spec_from_args(args: argparse.Namespace):
+    from .spec.tree import SpecParams
+    base = SpecParams()
+    return SpecParams(top_k=args.top_k or base.top_k, depth=args.depth or base.depth,
+                      num_draft_tokens=args.num_draft_tokens or base.num_draft_tokens)
+
+
+def generate_cmd(args: argparse.Namespace) -> int:
+    from .api import load_engine
+    from .generate import SamplingParams
+    engine = load_engine(args.model, args.draft, spec_from_args(args), args.device,
+                         max_model_len=args.max_model_len, algorithm=args.algorithm)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k,
+                            seed=args.seed, max_new_tokens=args.max_new_tokens,
+                            stop=tuple(args.stop or ()))
+    result = None
+    for chunk in engine.stream(args.prompt, params, chat=not args.raw):
+        sys.stdout.write(chunk.text)
+        sys.stdout.flush()
+        result = chunk.result or result
+    sys.stdout.write("\n")
+    mode = "speculative" if engine.draft is not None else "plain"
+    print(f"[{mode}] {len(result.token_ids)} tokens in {result.wall_s:.2f} s = "
+          f"{result.tokens_per_s:.1f} tok/s, tau {result.tau:.2f}, finish {result.finish_reason}",
+          file=sys.stderr)
+    if engine.monitor is not None and engine.monitor.degraded:
+        print("WARNING: acceptance is at 1.0 (nothing accepted); run `eagle3 doctor`", file=sys.stderr)
+    return 0
+
+
+def info_cmd(args: argparse.Namespace) -> int:
+    from .models import ModelConfig
+    from .runtime.loader import read_hf_config, resolve_model
+    src = resolve_model(args.model)
+    cfg = ModelConfig.from_hf(read_hf_config(src.hf_dir))
+    rows = [("source", str(src.gguf or src.hf_dir)), ("architecture", cfg.architecture),
+            ("layers", cfg.num_layers), ("hidden", cfg.hidden_size),
+            ("heads / kv heads / head_dim", f"{cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim}"),
+            ("intermediate", cfg.intermediate_size), ("vocab", cfg.vocab_size),
+            ("tied embeddings", cfg.tie_word_embeddings), ("rope", cfg.rope),
+            ("default capture ids (input to layer i)", list(cfg.default_aux_layer_ids)),
+            ("same ids, output-of-layer convention", [i - 1 for i in cfg.default_aux_layer_ids])]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle3", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate text (speculative when a draft is available)")
+    g.add_argument("prompt")
+    g.add_argument("--model", default=None, help="target: .gguf, HF dir, or default SmolLM2")
+    add_spec_args(g)
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    g.add_argument("--max-model-len", type=int, default=2048)
+    g.set_defaults(func=generate_cmd)
+    i = sub.add_parser("info", help="architecture, layers, hidden, vocab, default capture ids")
+    i.add_argument("model", nargs="?", default=None)
+    i.set_defaults(func=info_cmd)
+    for name, (_, _, help_text) in DELEGATED.items():
+        d = sub.add_parser(name, help=help_text, add_help=False)
+        d.add_argument("rest", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        module, func, _ = DELEGATED[argv[0]]
+        runner = getattr(importlib.import_module(module), func)
+        return _guard(lambda: runner(argv[1:]))
+    args = build_parser().parse_args(argv)
+    return _guard(lambda: args.func(args))
+
+
+def _guard(fn) -> int:
+    try:
+        return int(fn() or 0)
+    except Eagle3Error as e:
+        print(f"eagle3: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
