@@ -350,7 +350,7 @@ def vllm_spec(cmd: Command) -> tuple[dict[str, Any], list[Check]]:
 def vllm_method(spec: dict[str, Any]) -> tuple[str, str]:
     """(method, how): vLLM guesses from the draft path when `method` is absent."""
     if spec.get("method"):
-        return str(spec["method"]).lower(), "method"
+        return str(spec["method"]).lower(), "set explicitly"
     model = str(spec.get("model") or "").lower()
     if "eagle-" in model:
         return "eagle", "guessed from the path ('eagle-' -> eagle)"

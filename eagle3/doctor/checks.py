@@ -1,0 +1,321 @@
+"""`eagle3 doctor`: is this draft the right one for this target, and will this launch line work?
+
+Order of the checks (each a Check with pass/warn/fail, message and fix):
+
+| group    | what                                                                                |
+|----------|-------------------------------------------------------------------------------------|
+| target   | loads (native LlamaModel or the generic HF adapter); layers, hidden, vocab          |
+| draft    | format, algorithm, layer-id convention found, embedding source (spec/formats.py)     |
+| contract | hidden sizes, fc width, ids in range, vocab + d2t/t2d, rope/head_dim (spec/contract) |
+| launch   | the SGLang / vLLM / llama.cpp line, against the facts above (doctor/launch.py)      |
+| probe    | a few prompts through the speculative engine: tau, acceptance per position, equal   |
+|          | greedy output with and without the draft; tau near 1.0 fails with likely causes,    |
+|          | and ids shifted by one are tried to name an off-by-one                               |
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from ..errors import ContractError, Eagle3Error
+from .launch import DraftFacts, TargetFacts, lint_launch, read_json
+from .report import Check, DoctorReport, failed, passed, warned
+
+PROBE_PROMPTS = (
+    "Explain in two sentences why the sky is blue.",
+    "Write a short Python function that reverses a string.",
+    "List three tips for staying focused while studying.",
+)
+CAUSES = ("likely causes: wrong aux layer ids (the 'input to layer i' vs 'output of layer i' "
+          "off-by-one), the wrong algorithm (an EAGLE-3 draft run as EAGLE), a draft trained for "
+          "another target or tokenizer, or an untrained draft")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    prompts: tuple[str, ...] = PROBE_PROMPTS
+    max_new_tokens: int = 40
+    top_k: int = 4
+    depth: int = 5
+    num_draft_tokens: int = 8
+    fail_tau: float = 1.1     # tau <= this: nothing (or almost nothing) is accepted
+    warn_tau: float = 1.3
+    try_shifted_ids: bool = True
+
+
+@dataclass
+class Pair:
+    """What the doctor has loaded so far (None where loading failed)."""
+    target: Any = None
+    tokenizer: Any = None
+    target_path: Optional[str] = None
+    draft: Any = None
+    info: Any = None
+    draft_config: Optional[dict] = None
+
+
+# ---------------------------------------------------------------------------- target
+def load_target_checked(target: Any, report: DoctorReport) -> Pair:
+    """Accept a loaded model (tests) or a spec string (CLI: path, .gguf, None = packaged)."""
+    if target is not None and not isinstance(target, (str, Path)):
+        pair = Pair(target=target)
+    else:
+        try:
+            pair = _load_target(None if target is None else str(target))
+        except Eagle3Error as e:
+            report.checks.append(failed("target.load", str(e), "give --target a local HF "
+                                        "directory (config.json + safetensors) or a .gguf file"))
+            return Pair()
+    cfg = pair.target.config
+    kind = type(pair.target).__name__
+    how = "native model" if kind == "LlamaModel" else "generic HF adapter"
+    report.checks.append(passed("target.load", f"{cfg.architecture} via {how} ({kind}): "
+                                f"{cfg.num_layers} layers, hidden {cfg.hidden_size}, vocab "
+                                f"{cfg.vocab_size}, default ids {list(cfg.default_aux_layer_ids)}"))
+    report.facts["target"] = {"path": pair.target_path, "class": kind, "architecture":
+                              cfg.architecture, "num_layers": cfg.num_layers,
+                              "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    return pair
+
+
+def _load_target(spec: Optional[str]) -> Pair:
+    from ..adapters import load_target
+    from ..runtime.loader import load_tokenizer, resolve_model
+    src = resolve_model(spec)
+    target = load_target(str(src.hf_dir))
+    try:
+        tokenizer = load_tokenizer(src.hf_dir)
+    except (OSError, ValueError):
+        tokenizer = None   # the probe then uses fixed random token prompts
+    return Pair(target=target, tokenizer=tokenizer, target_path=str(src.gguf or src.hf_dir))
+
+
+# ---------------------------------------------------------------------------- draft
+def load_draft_checked(pair: Pair, draft_path: Optional[str], algorithm: Optional[str],
+                       report: DoctorReport) -> None:
+    if draft_path is None:
+        report.checks.append(failed("draft.path", "no draft given and no shipped draft for this "
+                                    "target", "pass --draft DRAFT_DIR"))
+        return
+    from ..spec.formats import load_draft
+    pair.draft_config = read_json(Path(draft_path) / "config.json")
+    try:
+        loaded = load_draft(draft_path, pair.target.config if pair.target is not None else None,
+                            algorithm=algorithm)
+    except ContractError as e:
+        name = "draft.algorithm" if e.field == "algorithm" else "draft.load"
+        report.checks.append(failed(name, f"{e.field}: found {e.found!r}, expected {e.expected!r}",
+                                    e.fix))
+        return
+    except Eagle3Error as e:
+        report.checks.append(failed("draft.load", str(e), "see the message; `eagle3 export` "
+                                    "writes drafts every engine reads"))
+        return
+    pair.draft, pair.info = loaded.draft, loaded.info
+    report.checks += describe_draft(loaded.info)
+    report.facts["draft"] = {"path": draft_path, "format": loaded.info.format,
+                             "algorithm": loaded.info.algorithm,
+                             "aux_layer_ids": list(loaded.info.aux_layer_ids),
+                             "layer_id_convention": loaded.info.layer_id_convention,
+                             "draft_vocab_size": loaded.info.draft_vocab_size}
+    if pair.target is not None:
+        attach(pair, loaded, report)
+
+
+def describe_draft(info: Any) -> list[Check]:
+    algo = "EAGLE-3" if info.algorithm == "eagle3" else "EAGLE-1/2"
+    out = [passed("draft.format", f"{info.format} layout ({info.architecture}), weights "
+                                  f"{info.weights_file}"),
+           passed("draft.algorithm", f"{algo}: {info.algorithm_evidence}")]
+    if info.algorithm == "eagle3":
+        out.append(passed("draft.layer_ids", f"{list(info.aux_layer_ids)} as 'input to layer i' "
+                                             f"(convention found: {info.layer_id_convention}; "
+                                             f"{info.layer_id_source})"))
+    out.append(passed("draft.embedding", f"embedding from the {info.embedding_source}, lm_head "
+                                         f"from the {info.lm_head_source}"))
+    out += [warned("draft.note", note, "check which layers the draft was trained on")
+            for note in info.notes if "convention" in note or "defaults" in note]
+    return out
+
+
+def attach(pair: Pair, loaded: Any, report: DoctorReport) -> None:
+    from ..spec.formats import attach_target
+    try:
+        attached = attach_target(loaded, pair.target)
+    except ContractError as e:
+        report.checks.append(failed("contract.embedding", f"{e.field}: found {e.found!r}, expected "
+                                    f"{e.expected!r}", e.fix))
+        return
+    pair.draft, pair.info = attached.draft, attached.info
+
+
+# ---------------------------------------------------------------------------- contract
+STATUS = {"ok": "pass", "warn": "warn", "error": "fail"}
+
+
+def contract_checks(pair: Pair) -> list[Check]:
+    """spec/contract.py's structured checks, in the doctor's vocabulary."""
+    from ..spec.contract import run_checks
+    out = []
+    for c in run_checks(pair.target.config, pair.draft, target=pair.target, info=pair.info):
+        if c.name == "embedding" and not pair.info.embedding_attached:
+            continue   # already reported by attach()
+        status = STATUS[c.status]
+        message = f"{c.field}: found {c.found!r}, expected {c.expected!r}"
+        if status == "pass":   # contract's embedding check carries its failure text in `found`
+            message = f"{c.field}: {c.expected if c.name == 'embedding' else repr(c.found)}"
+        out.append(Check(f"contract.{c.name.replace(' ', '_')}", status, message, c.fix))
+    return out
+
+
+# ---------------------------------------------------------------------------- launch
+def launch_facts(pair: Pair) -> tuple[Optional[DraftFacts], Optional[TargetFacts]]:
+    draft = None
+    if pair.info is not None:
+        i = pair.info
+        draft = DraftFacts(i.algorithm, tuple(i.aux_layer_ids), i.vocab_size, i.draft_vocab_size,
+                           pair.draft_config or {}, i.path)
+    target = None
+    if pair.target is not None:
+        c = pair.target.config
+        target = TargetFacts(c.num_layers, c.vocab_size, c.hidden_size, pair.target_path)
+    return draft, target
+
+
+# ---------------------------------------------------------------------------- probe
+@dataclass(frozen=True)
+class ProbeResult:
+    tau: float
+    acceptance_per_position: list[float]
+    lossless: bool
+    spec_tokens_per_s: float
+    plain_tokens_per_s: float
+    steps: int
+
+
+class IdTokenizer:
+    """Stands in for a tokenizer when the target has none (tiny test targets): ids as text."""
+    eos_token_id = None
+    chat_template = None
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(str(i) for i in ids)
+
+
+def probe_prompts(pair: Pair, settings: ProbeSettings) -> list[list[int]]:
+    if pair.tokenizer is not None:
+        from ..generate.text import encode_prompt
+        return [encode_prompt(pair.tokenizer, p, None, True) for p in settings.prompts]
+    vocab = pair.target.config.vocab_size   # tiny test targets have no tokenizer
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, vocab, (8,), generator=g).tolist() for _ in settings.prompts]
+
+
+def run_probe(pair: Pair, draft: Any, settings: ProbeSettings) -> ProbeResult:
+    from ..generate import Engine, SamplingParams
+    from ..spec.tree import SpecParams
+    spec = SpecParams(settings.top_k, settings.depth, settings.num_draft_tokens)
+    prompts = probe_prompts(pair, settings)
+    max_len = max(len(p) for p in prompts) + settings.max_new_tokens + 1
+    params = SamplingParams(max_new_tokens=settings.max_new_tokens, ignore_eos=True)
+    tokenizer = pair.tokenizer or IdTokenizer()
+    spec_engine = Engine(pair.target, tokenizer, draft=draft, spec=spec, max_model_len=max_len)
+    plain_engine = Engine(pair.target, tokenizer, max_model_len=max_len)
+    results = [(spec_engine.generate(prompt_ids=p, params=params),
+                plain_engine.generate(prompt_ids=p, params=params)) for p in prompts]
+    steps = [s for r, _ in results for s in r.decode_steps]
+    emitted = sum(len(s.tokens) for s in steps)
+    reached = [sum(s.drafted >= k for s in steps) / max(len(steps), 1)
+               for k in range(1, settings.depth + 1)]
+    spec_s, plain_s = (sum(r[i].wall_s for r in results) for i in (0, 1))
+    tokens = sum(len(r.token_ids) for r, _ in results)
+    return ProbeResult(emitted / max(len(steps), 1), reached,
+                       all(r.token_ids == p.token_ids for r, p in results),
+                       tokens / spec_s if spec_s else 0.0, tokens / plain_s if plain_s else 0.0,
+                       len(steps))
+
+
+def probe_checks(pair: Pair, settings: ProbeSettings, report: DoctorReport) -> None:
+    result = run_probe(pair, pair.draft, settings)
+    acc = ", ".join(f"{a:.2f}" for a in result.acceptance_per_position)
+    report.probe = {"tau": result.tau, "acceptance_per_position": result.acceptance_per_position,
+                    "lossless": result.lossless, "steps": result.steps,
+                    "spec_tokens_per_s": result.spec_tokens_per_s,
+                    "plain_tokens_per_s": result.plain_tokens_per_s,
+                    "tree": [settings.top_k, settings.depth, settings.num_draft_tokens]}
+    what = (f"tau {result.tau:.2f} over {result.steps} steps of {len(settings.prompts)} prompts "
+            f"(tree top_k {settings.top_k}, depth {settings.depth}, {settings.num_draft_tokens} "
+            f"tokens); acceptance per position [{acc}]; {result.spec_tokens_per_s:.1f} tok/s vs "
+            f"{result.plain_tokens_per_s:.1f} plain")
+    if result.tau <= settings.fail_tau:
+        report.checks.append(failed("probe.tau", f"{what}: the draft is (almost) never accepted",
+                                    shift_hint(pair, settings, result.tau) or CAUSES))
+    elif result.tau < settings.warn_tau:
+        report.checks.append(warned("probe.tau", f"{what}: low acceptance", CAUSES))
+    else:
+        report.checks.append(passed("probe.tau", what))
+    report.checks.append(passed("probe.lossless", "greedy output identical with and without the "
+                                "draft") if result.lossless else
+                         failed("probe.lossless", "greedy output differs with the draft",
+                                "a verification bug: report it with this target and draft"))
+
+
+def shift_hint(pair: Pair, settings: ProbeSettings, tau: float) -> Optional[str]:
+    """Re-run the probe with every aux id moved by -1 and +1: a recovery names the off-by-one."""
+    cfg = pair.draft.config
+    if not settings.try_shifted_ids or cfg.algorithm != "eagle3":
+        return None
+    n = pair.target.config.num_layers
+    best = None
+    for delta in (-1, 1):
+        ids = tuple(i + delta for i in cfg.aux_layer_ids)
+        if not all(0 <= i < n for i in ids):
+            continue
+        shifted_tau = run_probe(pair, shifted_draft(pair.draft, ids), replace(
+            settings, prompts=settings.prompts[:2])).tau
+        if shifted_tau > max(settings.warn_tau, tau + 0.3) and (best is None or shifted_tau > best[1]):
+            best = (ids, shifted_tau)
+    if best is None:
+        return None
+    return (f"with layer ids {list(best[0])} instead of {list(cfg.aux_layer_ids)} tau rises to "
+            f"{best[1]:.2f}: the stored ids are in the other convention. Store "
+            f"eagle_config.eagle_aux_hidden_state_layer_ids = {[i - 1 for i in best[0]]} (output "
+            f"convention) or top-level = {list(best[0])} (input convention)")
+
+
+def shifted_draft(draft: Any, ids: tuple[int, ...]) -> Any:
+    from ..spec.draft import build_draft
+    other = build_draft(replace(draft.config, aux_layer_ids=ids))
+    other.load_state_dict(draft.state_dict())
+    other.set_embedding(draft.embed_tokens.weight)
+    return other.to(draft.fc.weight.device).eval()
+
+
+# ---------------------------------------------------------------------------- entry point
+def run_doctor(target: Any = None, draft: Optional[str | Path] = None,
+               launch: Optional[str | Sequence[str]] = None, probe: bool = True,
+               algorithm: Optional[str] = None, tokenizer: Any = None,
+               settings: ProbeSettings = ProbeSettings()) -> DoctorReport:
+    """Check a target/draft pair (and optionally launch lines); never raises for a failed check.
+
+    target: a loaded target (LlamaModel / HFTarget), or a spec (None = packaged SmolLM2, a .gguf,
+    an HF directory). draft: a draft directory. launch: one or more command lines to lint.
+    """
+    report = DoctorReport()
+    pair = load_target_checked(target, report)
+    pair.tokenizer = pair.tokenizer or tokenizer
+    load_draft_checked(pair, None if draft is None else str(draft), algorithm, report)
+    if pair.draft is not None and pair.target is not None:
+        report.checks += contract_checks(pair)
+    for line in [launch] if isinstance(launch, str) else list(launch or []):
+        report.checks += lint_launch(line, *launch_facts(pair))
+    contract_ok = not any(c.name.startswith(("contract.", "draft.")) for c in report.failures)
+    if probe and pair.draft is not None and pair.info.embedding_attached and contract_ok:
+        probe_checks(pair, settings, report)
+    elif probe and pair.draft is not None:
+        report.checks.append(warned("probe.tau", "probe skipped: the pair breaks the contract "
+                                    "(see the failures above)", "fix those first"))
+    return report
