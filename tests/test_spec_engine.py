@@ -1,0 +1,231 @@
+"""SpecDecoder end to end on tiny random models: cache commit, greedy identity, lossless sampling."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from eagle3.errors import ContractError
+from eagle3.generate import Engine, PlainDecoder, SamplingParams
+from eagle3.generate.sampling import target_probs
+from eagle3.generate.types import Step
+from eagle3.models.layers import tree_block_mask
+from eagle3.spec.engine import SpecDecoder
+from eagle3.spec.monitor import AcceptanceMonitor
+from eagle3.spec.tree import SpecParams, build_tree
+from spec_helpers import (StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
+                          plain_greedy, spec_engine, tiny_draft, tiny_target)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [5, 9, 12, 7, 30, 2]
+SHAPES = [SpecParams.chain(1), SpecParams.chain(4), SpecParams(3, 1, 4), SpecParams(2, 3, 6),
+          SpecParams(3, 4, 10), SpecParams(4, 5, 16)]
+GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(0)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return plain_greedy(target, PROMPT, 40)
+
+
+# ---------------------------------------------------------------------------- cache commit
+def test_keep_leaves_the_cache_of_the_accepted_path(target):
+    n = len(PROMPT)
+    cache = target.new_cache(32)
+    target(torch.tensor([PROMPT]), torch.arange(n), cache)
+    tree = build_tree(torch.tensor([4, 8, 1, 17, 3, 22]), torch.tensor([-1, 0, 0, 1, 3, 2]), n, 3)
+    out = target(tree.tokens[None], tree.positions, cache, attn_mask=tree_block_mask(n, tree.mask))
+    path = [0, 1, 3, 4]
+    cache.keep(n, torch.tensor(path))
+    ref_cache = target.new_cache(32)
+    seq = PROMPT + tree.tokens[path].tolist()
+    ref = target(torch.tensor([seq]), torch.arange(len(seq)), ref_cache)
+    assert cache.length == ref_cache.length == n + len(path)
+    for mine, want in ((cache.k, ref_cache.k), (cache.v, ref_cache.v)):
+        assert torch.allclose(mine[..., :cache.length, :], want[..., :cache.length, :], atol=1e-5)
+    assert torch.allclose(out.logits[0, path], ref.logits[0, n:], atol=1e-4)  # tree rows = causal
+
+
+def run_decoder(target, draft, spec: SpecParams, steps: int):
+    cache, draft_cache = target.new_cache(128), draft.new_cache(128)
+    dec = SpecDecoder(target, draft, cache, draft_cache, SamplingParams(), spec)
+    emitted = dec.prefill(PROMPT, 64).tokens
+    for _ in range(steps):
+        emitted += dec.step().tokens
+    return dec, emitted
+
+
+@pytest.mark.parametrize("spec", [SpecParams.chain(3), SpecParams(3, 3, 8)])
+def test_caches_after_steps_equal_one_pass_over_the_sequence(target, reference, spec):
+    draft = oracle_draft(target, PROMPT + reference)
+    dec, emitted = run_decoder(target, draft, spec, steps=5)
+    assert emitted == reference[:len(emitted)] and len(emitted) > 5 + 3   # drafts were accepted
+    seq = torch.tensor([PROMPT + emitted[:-1]])           # the last token is the pending root
+    length = seq.shape[1]
+    assert dec.cache.length == dec.draft_cache.length == length
+    full_cache, full_draft = target.new_cache(128), draft.new_cache(128)
+    out = target(seq, torch.arange(length), full_cache, capture_ids=draft.config.aux_layer_ids)
+    nxt = torch.tensor([PROMPT[1:] + emitted])
+    with torch.inference_mode():
+        draft(nxt, torch.arange(length), full_draft, features=out.aux)
+    for mine, want in ((dec.cache, full_cache), (dec.draft_cache, full_draft)):
+        assert torch.allclose(mine.k[..., :length, :], want.k[..., :length, :], atol=1e-4)
+        assert torch.allclose(mine.v[..., :length, :], want.v[..., :length, :], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- greedy identity
+@pytest.mark.parametrize("spec", SHAPES, ids=str)
+def test_greedy_identical_with_random_draft(target, reference, spec):
+    for draft in (tiny_draft(target), tiny_draft(target, seed=2, draft_vocab=12)):
+        result = spec_engine(target, draft, spec).generate(prompt_ids=PROMPT, params=GREEDY)
+        assert result.token_ids == reference
+
+
+@pytest.mark.parametrize("spec", SHAPES, ids=str)
+def test_greedy_identical_with_oracle_draft(target, reference, spec):
+    result = spec_engine(target, oracle_draft(target, PROMPT + reference), spec).generate(
+        prompt_ids=PROMPT, params=GREEDY)
+    assert result.token_ids == reference
+    assert result.tau >= 1.0 + 0.5 * min(spec.depth, 2)   # most proposals are accepted
+    assert all(s.proposed == spec.num_draft_tokens - 1 for s in result.decode_steps)
+
+
+def test_greedy_identical_with_eagle1_draft(target, reference):
+    draft = tiny_draft(target, algorithm="eagle")
+    draft.set_lm_head(target.lm_head.weight)
+    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8)):
+        result = spec_engine(target, draft, spec).generate(prompt_ids=PROMPT, params=GREEDY)
+        assert result.token_ids == reference
+
+
+def test_stop_token_inside_accepted_draft_tokens(target, reference):
+    stop = reference[11]
+    plain = Engine(target, StubTokenizer(), max_model_len=100)
+    params = SamplingParams(max_new_tokens=40, stop_token_ids=(stop,))
+    want = plain.generate(prompt_ids=PROMPT, params=params)
+    got = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 4, 8)) \
+        .generate(prompt_ids=PROMPT, params=params)
+    assert got.token_ids == want.token_ids and got.finish_reason == "stop"
+    assert stop not in got.token_ids
+
+
+# ---------------------------------------------------------------------------- lossless sampling
+def exact_joint(target, prompt: list[int], params: SamplingParams, num_tokens: int) -> torch.Tensor:
+    """P(t1..tn | prompt) under target_probs, by enumerating every prefix: [V] * n."""
+    vocab = target.config.vocab_size
+    joint, prefixes = torch.ones(1), [[]]
+    for _ in range(num_tokens):
+        ids = torch.tensor([prompt + p for p in prefixes])
+        out = target(ids, torch.arange(ids.shape[1]), target.new_cache(ids.shape[1], len(prefixes)),
+                     logits_rows=slice(-1, None))
+        joint = (joint[:, None] * target_probs(out.logits[:, -1], params).double()).flatten()
+        prefixes = [p + [v] for p in prefixes for v in range(vocab)]
+    return joint.view([vocab] * num_tokens)
+
+
+def sample_after_first(dec: SpecDecoder, prompt: list[int], num: int):
+    """Prefill once (first token t1 fixed), then `num` times: rewind to just after the prefill and
+    take the next two tokens from spec steps. Returns t1, counts [V, V] of (t2, t3), tau."""
+    t1 = dec.prefill(prompt, 8).tokens[0]
+    saved = (dec.cache.length, dec.root, dec.head)
+    vocab = dec.target.config.vocab_size
+    counts, steps = torch.zeros(vocab, vocab), 0
+    for _ in range(num):
+        dec.cache.truncate(saved[0])
+        dec.draft_cache.truncate(saved[0])
+        dec.root, dec.head = saved[1:]
+        tokens = []
+        while len(tokens) < 2:
+            tokens += dec.step().tokens
+            steps += 1
+        counts[tokens[0], tokens[1]] += 1
+    return t1, counts, (2 * num) / steps
+
+
+def test_exact_reference_matches_single_sequence_forwards():
+    target = tiny_target(3, vocab=8, std=0.5)
+    params = SamplingParams(temperature=0.9, top_p=0.8)
+    exact = exact_joint(target, [1, 2, 3], params, 2)
+    first = int(exact.sum(1).argmax())
+    for seq in ([1, 2, 3], [1, 2, 3, first]):
+        logits = target(torch.tensor([seq]), torch.arange(len(seq)), target.new_cache(8)).logits
+        want = target_probs(logits[0, -1], params).double()
+        got = exact.sum(1) if len(seq) == 3 else exact[first] / exact[first].sum()
+        assert torch.allclose(got, want, atol=1e-6)
+
+
+def greedy_oracle(target, prompt: list[int], params: SamplingParams):
+    """The first sampled token (same seed as the decoder's) and a draft proposing the target's
+    greedy continuation after it, so the first spec step usually accepts something."""
+    t1 = PlainDecoder(target, target.new_cache(16), params).prefill(prompt, 1).tokens[0]
+    seq = prompt + [t1] + plain_greedy(target, prompt + [t1], 6)
+    return t1, oracle_draft(target, seq)
+
+
+@pytest.mark.parametrize("params,spec,oracle", [
+    (SamplingParams(temperature=1.0, seed=0), SpecParams(3, 2, 6), False),
+    (SamplingParams(temperature=0.8, top_p=0.7, seed=1), SpecParams(2, 3, 5), True),
+    (SamplingParams(temperature=1.2, top_k=3, seed=2), SpecParams.chain(2), True),
+], ids=["t1-tree-random", "top_p-tree-oracle", "top_k-chain-oracle"])
+def test_sampling_is_lossless(params, spec, oracle):
+    """Tokens from spec steps follow exactly the distribution plain sampling draws from."""
+    target = tiny_target(3, vocab=8, std=0.5)
+    prompt = [1, 2, 3]
+    want_t1, draft = greedy_oracle(target, prompt, params) if oracle else (None, tiny_draft(target, 6))
+    dec = SpecDecoder(target, draft, target.new_cache(32), draft.new_cache(32), params, spec)
+    t1, counts, tau = sample_after_first(dec, prompt, 600)
+    assert want_t1 in (None, t1)
+    assert tau > 1.2                                         # speculation really took part
+    exact = exact_joint(target, prompt + [t1], params, 2)
+    assert chi_square_p(counts, exact) > 0.01
+
+
+# ---------------------------------------------------------------------------- contracts
+def test_feature_width_checked_every_step(target, reference):
+    draft = tiny_draft(target)
+    dec, _ = run_decoder(target, draft, SpecParams.chain(2), steps=1)
+    dec.capture_ids = dec.capture_ids[:1]       # one captured state reaches fc: the incident
+    with pytest.raises(ContractError, match="draft features width"):
+        dec.step()
+
+
+def test_draft_for_another_target_is_rejected(target):
+    other = tiny_target(0, vocab=40)
+    with pytest.raises(ContractError, match="vocab"):
+        SpecDecoder(target, tiny_draft(other), target.new_cache(8), target.new_cache(8),
+                    SamplingParams(), SpecParams())
+
+
+# ---------------------------------------------------------------------------- monitor
+def test_monitor_warns_once_when_nothing_is_accepted(caplog):
+    mon = AcceptanceMonitor(window=8)
+    with caplog.at_level(logging.WARNING, logger="eagle3.spec"):
+        for _ in range(7):
+            mon.observe(Step([1], 0, proposed=4))
+        assert not mon.degraded and not caplog.records
+        for _ in range(10):
+            mon.observe(Step([1], 0, proposed=4))
+        assert mon.degraded and len(caplog.records) == 1
+        assert "layer ids" in caplog.text and "EAGLE" in caplog.text
+        mon.observe(Step([1, 2, 3], 2, proposed=4))
+    assert not mon.degraded
+    snap = mon.snapshot()
+    assert snap["steps"] == 18 and snap["proposed_tokens"] == 72 and snap["accepted_tokens"] == 2
+    assert snap["accept_len_histogram"] == {0: 17, 2: 1}
+    assert snap["acceptance_per_position"] == [1 / 18, 1 / 18]
+    assert mon.tau == pytest.approx(1 + 2 / 18)
+
+
+def test_engine_monitor_sees_acceptance(target, reference):
+    engine = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 3, 6))
+    result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
+    snap = engine.monitor.snapshot()
+    assert snap["steps"] == len(result.decode_steps) and not snap["degraded"]
+    assert snap["tau"] == pytest.approx(result.tau, rel=0.1)
