@@ -5,7 +5,6 @@ plain engine's while the server sees drafted tokens."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import statistics
 import threading

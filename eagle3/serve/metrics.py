@@ -12,8 +12,8 @@
 | eagle3:spec_decode_num_drafts_total | counter | decode steps that verified a draft |
 | eagle3:spec_decode_num_draft_tokens_total | counter | draft tokens proposed (verified by the target) |
 | eagle3:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted |
-| eagle3:spec_decode_num_accepted_tokens_per_pos_total{position} | counter | steps whose accepted length reached draft position 1..depth |
-| eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; its mean is tau) |
+| eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
+| eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
 | eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
 """
 from __future__ import annotations
