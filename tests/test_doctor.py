@@ -300,3 +300,15 @@ def test_off_by_one_ids_fail_the_probe_and_name_the_shift(tmp_path, target_dir, 
     assert any(c.status == "warn" for c in by_name(report, "draft.note"))   # formats' hint
     assert_fails(report, "probe.tau", "eagle_config.eagle_aux_hidden_state_layer_ids = [1, 3, 4]")
     assert "[2, 4, 5]" in by_name(report, "probe.tau")[0].fix
+
+
+def test_lines_written_by_eagle3_export_lint_clean(tmp_path, target_dir, target):
+    from eagle3.spec.export import launch_lines
+    for ids in (IDS, (1, 4, 6)):              # default ids, and custom ids every engine must see
+        draft_dir = write_draft(tmp_path, copy_draft(target, ids=ids), f"d{ids[0]}", target=target)
+        lines = launch_lines(draft_dir, target_dir, num_steps=3, topk=2, num_draft_tokens=6)
+        report = run_doctor(str(target_dir), draft_dir, [lines.sglang, lines.vllm,
+                                                         " && ".join(lines.llama_cpp)], probe=False)
+        assert report.ok, report.table()
+        assert {"launch.sglang.layer_ids", "launch.vllm.layer_ids",
+                "launch.llama.cpp.layer_ids"} <= {c.name for c in report.checks}

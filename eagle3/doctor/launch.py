@@ -365,6 +365,8 @@ def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[Target
     target = target or line_target
     spec, out = vllm_spec(cmd)
     out += check_same_target("vllm", line_target, target)
+    if any(c.status == "fail" for c in out):
+        return out
     if not spec:
         return out + [failed("launch.vllm.speculative_config", "no --speculative-config: the "
                              "server runs without speculation",
@@ -413,8 +415,8 @@ def vllm_num_tokens(spec: dict[str, Any]) -> list[Check]:
 
 
 # ---------------------------------------------------------------------------- llama.cpp
-def lint_llama_server(cmd: Command, draft: Optional[DraftFacts],
-                      target: Optional[TargetFacts]) -> list[Check]:
+def lint_llama_server(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts],
+                      converted: frozenset[str] = frozenset()) -> list[Check]:
     o = cmd.options
     line_target = read_target_facts(o.get("model"))
     target = target or line_target
@@ -425,7 +427,10 @@ def lint_llama_server(cmd: Command, draft: Optional[DraftFacts],
     out += llama_spec_type(o.get("spec_type"), draft)
     path = o.get("draft") or o.get("draft_hf")
     out += check_draft_path("llama.cpp", path, draft, "-md DRAFT.gguf")
-    if o.get("draft"):
+    if o.get("draft") in converted and not Path(o["draft"]).expanduser().exists():
+        out.append(passed("launch.llama.cpp.layer_ids", f"{o['draft']} is written by the "
+                          "convert_hf_to_gguf.py step on this line (its layer ids are checked there)"))
+    elif o.get("draft"):
         out += llama_draft_gguf(Path(o["draft"]).expanduser(), draft, target)
     out += llama_n_max(o.get("n_max"))
     out += check_vocab("llama.cpp", draft, target)
@@ -490,24 +495,54 @@ def llama_n_max(value: Optional[str]) -> list[Check]:
     return [passed(name, f"a chain of up to {n} draft tokens (llama.cpp does not draft trees)")]
 
 
-def lint_llama_convert(cmd: Command, draft: Optional[DraftFacts],
-                       target: Optional[TargetFacts]) -> list[Check]:
+def lint_llama_convert(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts],
+                       draft_ggufs: frozenset[str] = frozenset()) -> list[Check]:
     name = "launch.llama.cpp-convert"
-    draft_dir = cmd.positionals[0] if cmd.positionals else None
-    out = []
+    model_dir = cmd.positionals[0] if cmd.positionals else None
     target_dir = cmd.options.get("target_dir")
+    kind = "draft" if cmd.options.get("outfile") in draft_ggufs else \
+        convert_kind(model_dir, target_dir, draft)
+    if kind == "target":
+        return [passed(f"{name}.target", f"converts the target {model_dir} to GGUF")]
+    if kind == "unknown":
+        return [warned(f"{name}.kind", f"cannot tell whether {model_dir} is the draft or the target "
+                                       "(not a local directory)",
+                       "if it is the EAGLE-3 draft, add --target-model-dir TARGET_DIR")]
+    out = []
     if not target_dir:
         out.append(failed(f"{name}.target_dir", "--target-model-dir missing: the converter refuses "
                           "an EAGLE-3 draft without its target", "add --target-model-dir TARGET_DIR"))
     line_target = read_target_facts(target_dir)
     out += check_same_target("llama.cpp-convert", line_target, target)
     target = target or line_target
-    out += check_draft_path("llama.cpp-convert", draft_dir, draft, "the DRAFT_DIR argument")
-    config = (draft.config if draft and draft.config else None) or read_draft_config(draft_dir)
+    out += check_draft_path("llama.cpp-convert", model_dir, draft, "the DRAFT_DIR argument")
+    config = (draft.config if draft and draft.config else None) or read_draft_config(model_dir)
     if config is not None:
         out += convert_detection(config)
     out += check_ids("llama.cpp", draft, config, target)
     return out
+
+
+def is_draft_config(cfg: dict) -> bool:
+    arch = (cfg.get("architectures") or [""])[0]
+    return any(k in cfg for k in ("draft_vocab_size", "eagle_config", "speculators_model_type")) \
+        or arch in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator") \
+        or cfg.get("num_hidden_layers") == 1
+
+
+def convert_kind(model_dir: Optional[str], target_dir: Optional[str],
+                 draft: Optional[DraftFacts]) -> str:
+    """"draft" | "target" | "unknown": which model this convert_hf_to_gguf.py step converts."""
+    if not model_dir:
+        return "draft"
+    path = Path(model_dir).expanduser()
+    if draft is not None and draft.path and path.exists() and \
+            path.resolve() == Path(draft.path).expanduser().resolve():
+        return "draft"
+    cfg = read_draft_config(model_dir)
+    if cfg is not None:
+        return "draft" if is_draft_config(cfg) else "target"
+    return "draft" if target_dir or "eagle" in model_dir.lower() else "unknown"
 
 
 def convert_detection(config: dict) -> list[Check]:
@@ -536,7 +571,17 @@ def lint_launch(line: str, draft: Optional[DraftFacts] = None,
         return [failed("launch.engine", "no SGLang, vLLM or llama.cpp command found in the line",
                        "pass the whole command: python -m sglang.launch_server ..., vllm serve ..., "
                        "llama-server ... or python convert_hf_to_gguf.py ...")]
+    # a convert step whose --outfile a llama-server line loads with -md converts the draft
+    draft_ggufs = frozenset(c.options["draft"] for c in commands
+                            if c.engine == "llama.cpp" and c.options.get("draft"))
+    converted = frozenset(c.options["outfile"] for c in commands
+                          if c.engine == "llama.cpp-convert" and c.options.get("outfile"))
     out: list[Check] = []
     for cmd in commands:
-        out += LINTERS[cmd.engine](cmd, draft, target)
+        if cmd.engine == "llama.cpp-convert":
+            out += lint_llama_convert(cmd, draft, target, draft_ggufs)
+        elif cmd.engine == "llama.cpp":
+            out += lint_llama_server(cmd, draft, target, converted)
+        else:
+            out += LINTERS[cmd.engine](cmd, draft, target)
     return out
