@@ -117,3 +117,32 @@ def test_eagle3_draft_fed_one_hidden_state_is_an_error_naming_eagle3(wrapped_tar
         with pytest.raises(ContractError, match="EAGLE3") as err:
             draft(ids, torch.arange(5), draft.new_cache(16), features=out.hidden)   # EAGLE: Ht
     assert "96" in str(err.value) and "32" in str(err.value)
+
+
+def test_saved_draft_for_wrapped_deepseek_loads_and_refuses_algorithm_eagle(wrapped_target,
+                                                                           tmp_path):
+    from eagle3.spec.formats import load_draft, save_draft
+    draft_dir = save_draft(eagle3_draft_for(wrapped_target), tmp_path / "d", "specforge",
+                           wrapped_target.config)
+    loaded = load_draft(draft_dir, wrapped_target.config, target=wrapped_target)
+    assert loaded.info.aux_layer_ids == IDS and loaded.draft.fc.in_features == 96
+    ids = prompt(6, seed=13)[0].tolist()
+    plain, _ = generate(wrapped_target, ids=ids, max_new=10)
+    assert generate(wrapped_target, loaded.draft, SpecParams.chain(3), ids, max_new=10)[0] == plain
+    with pytest.raises(ContractError, match="EAGLE3") as err:
+        load_draft(draft_dir, wrapped_target.config, algorithm="eagle")
+    assert "--speculative-algorithm EAGLE3" in err.value.fix
+
+
+def test_doctor_on_the_wrapped_deepseek_pair_flags_the_incident_line(wrapped_target, tmp_path):
+    from eagle3.doctor import run_doctor
+    from eagle3.spec.formats import save_draft
+    draft_dir = save_draft(eagle3_draft_for(wrapped_target), tmp_path / "d", "specforge",
+                           wrapped_target.config)
+    line = (f"python -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --speculative-algorithm"
+            f" EAGLE --speculative-draft-model-path {draft_dir} --speculative-num-steps 3 "
+            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+    report = run_doctor(wrapped_target, draft_dir, line, probe=False)
+    assert "generic HF adapter" in report.checks[0].message
+    failures = {c.name for c in report.failures}
+    assert failures == {"launch.sglang.algorithm"}, report.table()
