@@ -1,8 +1,6 @@
 """The target/draft contract: the zero-acceptance incident and its relatives are errors naming the fix."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -11,7 +9,7 @@ from eagle3.errors import ContractError, InputError
 from eagle3.spec.contract import check_pair, normalize_algorithm, run_checks
 from eagle3.spec.formats import load_draft, save_draft
 
-from test_formats import DEFAULT_IDS, edit_config, tiny_draft, tiny_target
+from test_formats import edit_config, tiny_draft, tiny_target
 
 
 @pytest.fixture(scope="module")

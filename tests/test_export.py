@@ -159,7 +159,6 @@ def test_launch_lines_eagle1(target, target_dir, tmp_path):
                            "the llama-cpp-python 0.3.36 sdist) to run its convert_hf_to_gguf.py")
 def test_llama_cpp_converter_reads_our_ids(target, tmp_path):
     """llama.cpp's converter must record the ids we trained on (it reads only the top level)."""
-    from safetensors.torch import save_file
     lcpp = Path(os.environ["EAGLE3_LLAMA_CPP_DIR"])
     tdir = tmp_path / "target"
     tdir.mkdir()

@@ -1,4 +1,4 @@
-"""Draft checkpoint formats: round trips, layer-id conventions, embeddings, legacy .bin, strict keys, flags."""
+"""Draft checkpoint formats: round trips, layer-id conventions, embeddings, legacy .bin, strict keys."""
 from __future__ import annotations
 
 import json
@@ -120,6 +120,11 @@ def test_eagle1_round_trip(tmp_path):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
     with pytest.raises(UnsupportedError, match="EAGLE-3 layout"):
         save_draft(draft, tmp_path / "x", "specforge")
+    edit_config(tmp_path / "e1", lambda hf: hf.update(bias=True))  # EAGLE-1/2 fc has a bias
+    assert load_draft(tmp_path / "e1", target=target).info.algorithm == "eagle"
+    edit_config(tmp_path / "e1", lambda hf: hf.update(bias=False))
+    with pytest.raises(UnsupportedError, match="bias=False"):
+        load_draft(tmp_path / "e1", target=target)
 
 
 # ---------------------------------------------------------------------------- layer-id conventions

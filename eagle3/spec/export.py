@@ -1,10 +1,11 @@
 """Export a draft for the serving engines and print the commands that launch it.
 
-| engine    | layout it reads                 | layer ids it reads                        | numbering        |
-|-----------|---------------------------------|-------------------------------------------|------------------|
-| SGLang    | specforge (LlamaForCausalLMEagle3) | eagle_config.eagle_aux_hidden_state_layer_ids | output of layer i (+1 internally) |
-| vLLM      | speculators or specforge/eagle  | top-level eagle_aux_hidden_state_layer_ids | input to layer i |
-| llama.cpp | specforge/vllm/speculators, via convert_hf_to_gguf.py --target-model-dir | top-level only (else 2, L//2, L-3), exactly 3 | input to layer i |
+| engine    | layout it reads                          | layer ids it reads      | numbering       |
+|-----------|------------------------------------------|-------------------------|-----------------|
+| SGLang    | specforge (LlamaForCausalLMEagle3)       | eagle_config ids only   | output (+1)     |
+| vLLM      | speculators, or specforge/eagle          | top-level ids only      | input           |
+| llama.cpp | any, via convert_hf_to_gguf.py           | top-level ids only, or  | input           |
+|           | --target-model-dir (exactly 3 layers)    | 2, L//2, L-3            |                 |
 
 Our specforge export writes the eagle_config ids always and the top-level ids whenever they are not the
 defaults, so every engine captures the layers the draft was trained on. Every export is read back through

@@ -1,38 +1,51 @@
 """Draft checkpoint formats: read four published layouts, write three, never guess silently.
 
-What each layout looks like (read from the public sources: SafeAILab/EAGLE eagle/model/cnets.py and
-traineagle3/config.json, sgl-project/SpecForge modeling/draft/llama3_eagle.py + export/to_sglang.py,
-sgl-project/sglang srt/models/llama_eagle3.py, vllm-project/vllm model_executor/models/llama_eagle3.py
-+ transformers_utils/configs/speculators/algos.py, vllm-project/speculators models/eagle3/{config,core}.py,
-llama.cpp conversion/llama.py as vendored in llama-cpp-python 0.3.36):
+Sources read: SafeAILab/EAGLE eagle/model/cnets.py, cnets1.py, traineagle3/config.json;
+sgl-project/SpecForge modeling/draft/llama3_eagle.py, export/to_sglang.py, configs/*-eagle3.json;
+sgl-project/sglang srt/models/llama_eagle3.py and the models' set_eagle3_layers_to_capture (+1);
+vllm-project/vllm model_executor/models/llama_eagle3.py, transformers_utils/configs/speculators/algos.py,
+eagle3_utils.get_eagle3_aux_layers_from_config; vllm-project/speculators models/eagle3/{config,core}.py,
+convert/eagle/eagle3_converter.py; llama.cpp conversion/llama.py and src/models/eagle3.cpp as vendored in
+llama-cpp-python 0.3.36.
 
-| format      | config.json marker                              | layer prefix | layer ids stored at                     | id convention | embedding |
-|-------------|-------------------------------------------------|--------------|-----------------------------------------|---------------|-----------|
-| eagle       | architectures LlamaForCausalLM, 1 layer (+ draft_vocab_size for EAGLE-3) | midlayer. (EAGLE-1/2: layers.0.) | nowhere (hard-coded 2, L//2, L-3) | default | absent (EAGLE-1/2: sometimes stored) |
-| specforge   | LlamaForCausalLMEagle3 and/or eagle_config      | midlayer.    | eagle_config.eagle_aux_hidden_state_layer_ids | OUTPUT of layer i (SGLang adds +1) | absent (SpecForge's exporter drops it) |
-| vllm        | Eagle3LlamaForCausalLM                          | midlayer. or layers.0. | top-level eagle_aux_hidden_state_layer_ids | INPUT to layer i | optional |
-| speculators | speculators_model_type "eagle3", Eagle3Speculator, nested transformer_layer_config, speculators_config | layers.0. | top-level eagle_aux_hidden_state_layer_ids | INPUT to layer i | optional (older releases store it) |
+Layout table ("ids" = eagle_aux_hidden_state_layer_ids; "input" = input to layer i, "output" = output of
+layer i, input = output + 1; either layer prefix, midlayer. or layers.0., is read in every EAGLE-3 layout,
+as vLLM and llama.cpp do):
 
-Who reads what: SGLang reads only eagle_config (+1 -> input ids; absent -> defaults). vLLM and llama.cpp read
-only a top-level eagle_aux_hidden_state_layer_ids as input ids (absent -> defaults 2, L//2, L-3; an id set that
-lives only in eagle_config is silently replaced by the defaults). llama.cpp needs exactly 3 ids.
+| format      | config.json marker                           | prefix    | ids stored at    | numbering |
+|-------------|----------------------------------------------|-----------|------------------|-----------|
+| eagle       | LlamaForCausalLM, 1 layer (+draft_vocab_size | midlayer. | nowhere: 2,L//2, | default   |
+|             | for EAGLE-3; EAGLE-1/2 use layers.0.)        |           | L-3 hard-coded   |           |
+| specforge   | LlamaForCausalLMEagle3 and/or eagle_config   | midlayer. | eagle_config.ids | output    |
+| vllm        | Eagle3LlamaForCausalLM                       | either    | top-level ids    | input     |
+| speculators | speculators_model_type "eagle3", arch        | layers.0. | top-level ids    | input     |
+|             | Eagle3Speculator, nested                     |           |                  |           |
+|             | transformer_layer_config, speculators_config |           |                  |           |
+
+Embedding: absent in eagle and specforge checkpoints (SpecForge's exporter drops it; EAGLE-1/2 checkpoints
+sometimes store it), optional in vllm and speculators (older speculators releases store it).
+
+Who reads what: SGLang reads only eagle_config (+1 -> input ids; absent -> defaults). vLLM and llama.cpp
+read only top-level ids, as input ids (absent -> defaults 2, L//2, L-3: an id set that lives only in
+eagle_config is silently replaced by the defaults). llama.cpp needs exactly 3 ids.
 When a config stores both, they must name the same layers (top == eagle_config + 1) or loading fails.
 
 Variant flags (one table, VARIANT_FLAGS below): each has the value we implement; any other value raises
-UnsupportedError naming the flag. `norm_output` means different things: SpecForge default true = final norm
-before lm_head (ours), false = no final norm; speculators default false, true = feed the post-norm hidden back
-across steps (Eagle 3.1). `norm_before_residual` defaults to false in the speculators library and llama.cpp but
-to TRUE in vLLM's speculators reader, so a speculators config without it is ambiguous and is rejected.
+UnsupportedError naming the flag. `norm_output` means different things: SpecForge default true = final
+norm before lm_head (ours), false = no final norm; speculators default false, true = feed the post-norm
+hidden back across steps (Eagle 3.1). `norm_before_residual` defaults to false in the speculators library
+and llama.cpp but to TRUE in vLLM's speculators reader, so a speculators config without it is ambiguous
+and is rejected.
 
-Every EAGLE-3 layout is read with either layer prefix (midlayer. or layers.0.), as vLLM and llama.cpp do.
 Weights: model.safetensors (or a sharded index), else legacy pytorch_model.bin through
-torch.load(weights_only=True). Key mapping is strict: an unknown key, a missing key or a shape mismatch raises
-naming the key and both shapes. Optional keys and what replaces them:
-  embed_tokens.weight -> the target's embedding (attach_target); required when target_hidden_size != hidden_size.
-  d2t, t2d            -> identity when draft_vocab_size == vocab_size; t2d is derived from d2t (and d2t from
-                         t2d, ascending ids) otherwise; both absent with a smaller draft vocab raises.
+torch.load(weights_only=True). Key mapping is strict: an unknown key, a missing key or a shape mismatch
+raises naming the key and both shapes. Optional keys and what replaces them:
+  embed_tokens.weight -> the target's embedding (attach_target); required when target_hidden_size differs
+                         from hidden_size.
+  d2t, t2d            -> identity when draft_vocab_size == vocab_size; t2d is derived from d2t (and d2t
+                         from t2d, ascending ids) otherwise; both absent with a smaller draft vocab raises.
   lm_head.weight      -> EAGLE-1/2 only: the target's lm_head (attach_target).
-  verifier_norm.weight, verifier_lm_head.weight (speculators training-only copies of the target) are dropped.
+  verifier_norm.weight, verifier_lm_head.weight (speculators training-only copies of the target): dropped.
 """
 from __future__ import annotations
 
@@ -60,14 +73,15 @@ EAGLE3_ARCHS = {"LlamaForCausalLMEagle3": "specforge", "Eagle3LlamaForCausalLM":
                 "Eagle3Speculator": "speculators"}
 IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 
-# flag -> {format or "*": value we implement}; a missing flag takes the listed value unless marked REQUIRED.
+# flag -> {algorithm, format or "*": value we implement}, looked up in that order; a missing flag takes the
+# listed value unless marked REQUIRED.
 REQUIRED = object()
 VARIANT_FLAGS: dict[str, dict[str, Any]] = {
     "norm_before_residual": {"*": False, "speculators": REQUIRED},
     "norm_before_fc": {"*": False},
     "fc_norm": {"*": False},
     "norm_output": {"specforge": True, "speculators": False, "*": None},
-    "bias": {"*": False},                   # SGLang: bias on fc
+    "bias": {"eagle": True, "*": False},    # bias on fc (SGLang EAGLE-3 reads it; EAGLE-1/2 fc has one)
     "attention_bias": {"*": False},
     "qkv_bias": {"*": False},
     "mlp_bias": {"*": False},
@@ -155,11 +169,9 @@ def read_bin(file: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_weights(path: Path) -> tuple[str, dict[str, torch.Tensor]]:
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
     kind, files = weight_files(path)
-    if kind == "bin":
-        return files[0].name, read_bin(files[0])
-    return ",".join(f.name for f in files), read_safetensors(files)
+    return read_bin(files[0]) if kind == "bin" else read_safetensors(files)
 
 
 def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
@@ -212,11 +224,11 @@ def layer_config(hf: dict, fmt: str) -> dict:
     return {**inner, **{k: v for k, v in hf.items() if k != "transformer_layer_config"}}
 
 
-def check_flags(hp: dict, fmt: str) -> None:
+def check_flags(hp: dict, fmt: str, algo: str) -> None:
     """Every known variant flag must hold the value we implement; none is ignored."""
     sources = [hp, hp.get("eagle_config") or {}]
     for flag, rule in VARIANT_FLAGS.items():
-        want = rule.get(fmt, rule["*"])
+        want = rule.get(algo, rule.get(fmt, rule["*"]))
         found = [s[flag] for s in sources if flag in s]
         if not found:
             if want is REQUIRED:
@@ -365,40 +377,52 @@ def head_source(cfg: DraftConfig, shapes: dict) -> str:
 
 
 # ---------------------------------------------------------------------------- inspect (no tensors)
-def inspect_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] = None,
-                  algorithm: Optional[str] = None) -> tuple[DraftInfo, DraftConfig, str]:
-    """Read config.json and tensor shapes; return (info, config, layer prefix). Reads no weights."""
+class Header(NamedTuple):
+    path: Path
+    format: str
+    architecture: str
+    hp: dict                          # flat Llama hyper-parameters + EAGLE fields
+    shapes: dict[str, tuple[int, ...]]
+
+
+def read_header(path: str | os.PathLike) -> Header:
     path = Path(path)
     if not (path / "config.json").is_file():
         raise LoadError(f"{path}: not a draft directory (no config.json)")
     hf = read_hf_config(path)
     fmt, arch = detect_format(hf)
-    hp = layer_config(hf, fmt)
-    check_flags(hp, fmt)
-    shapes = read_shapes(path)
-    algo, evidence = detect_algorithm(hp, fmt, shapes)
+    return Header(path, fmt, arch, layer_config(hf, fmt), read_shapes(path))
+
+
+def layer_ids_for(head: Header, algo: str, target: Optional[ModelConfig]) -> tuple[LayerIds, list[str]]:
+    if algo != "eagle3":
+        return LayerIds((), "none", "EAGLE-1/2 reads the target's last hidden state only", None), []
+    hidden_t = int(head.hp.get("target_hidden_size") or head.hp["hidden_size"])
+    ids = resolve_layer_ids(head.hp, head.shapes["fc.weight"][1] // hidden_t, target)
+    return ids, off_by_one_notes(ids, target)
+
+
+def inspect_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] = None,
+                  algorithm: Optional[str] = None) -> tuple[DraftInfo, DraftConfig, str]:
+    """Read config.json and tensor shapes; return (info, config, layer prefix). Reads no weights."""
+    head = read_header(path)
+    algo, evidence = detect_algorithm(head.hp, head.format, head.shapes)
     if algorithm is not None and normalize_algorithm(algorithm) != algo:
         raise algorithm_mismatch_error(normalize_algorithm(algorithm), algo)
-    notes: list[str] = []
-    if algo == "eagle3":
-        hidden_t = int(hp.get("target_hidden_size") or hp["hidden_size"])
-        ids = resolve_layer_ids(hp, shapes["fc.weight"][1] // hidden_t, target_config)
-        notes += off_by_one_notes(ids, target_config)
-    else:
-        ids = LayerIds((), "none", "EAGLE-1/2 reads the target's last hidden state only", None)
-    cfg = draft_config(hp, algo, ids)
-    check_fc_width(cfg, shapes, ids)
+    check_flags(head.hp, head.format, algo)
+    ids, notes = layer_ids_for(head, algo, target_config)
+    cfg = draft_config(head.hp, algo, ids)
+    check_fc_width(cfg, head.shapes, ids)
     info = DraftInfo(
-        path=str(path), format=fmt, architecture=arch, algorithm=algo, algorithm_evidence=evidence,
-        aux_layer_ids=cfg.aux_layer_ids, layer_id_convention=ids.convention,
-        layer_id_source=ids.source, stored_layer_ids=ids.stored,
-        embedding_source=check_embedding_rule(cfg, shapes),
-        lm_head_source=head_source(cfg, shapes),
-        embedding_attached=False,
+        path=str(head.path), format=head.format, architecture=head.architecture, algorithm=algo,
+        algorithm_evidence=evidence, aux_layer_ids=cfg.aux_layer_ids,
+        layer_id_convention=ids.convention, layer_id_source=ids.source, stored_layer_ids=ids.stored,
+        embedding_source=check_embedding_rule(cfg, head.shapes),
+        lm_head_source=head_source(cfg, head.shapes), embedding_attached=False,
         vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
         hidden_size=cfg.hidden_size, target_hidden_size=cfg.target_hidden_size,
-        weights_file=weight_files(path)[1][0].name, notes=tuple(notes))
-    return info, cfg, layer_prefix(shapes, fmt)
+        weights_file=weight_files(head.path)[1][0].name, notes=tuple(notes))
+    return info, cfg, layer_prefix(head.shapes, head.format)
 
 
 def off_by_one_notes(ids: LayerIds, target: Optional[ModelConfig]) -> list[str]:
@@ -489,7 +513,7 @@ def load_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] = N
     if target is not None and target_config is None:
         target_config = target.config
     info, cfg, prefix = inspect_draft(path, target_config, algorithm)
-    _, state = read_weights(Path(path))
+    state = read_weights(Path(path))
     state = module_state(state, prefix, cfg.algorithm)
     draft = build_draft(cfg)
     notes = list(info.notes)
