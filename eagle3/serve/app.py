@@ -75,12 +75,12 @@ class Server:
         self.tokenizer = copy.deepcopy(engine.tokenizer)   # the event loop's own (engine's is busy)
         self.vocab_size = int(engine.target.config.vocab_size)
         self.depth = spec_depth(engine)
-        self.worker = EngineWorker(engine, max_queue)
+        self.worker = EngineWorker(engine, max_queue, after_job=self.after_job)
         self.metrics = ServerMetrics(max(self.depth, 1))
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
         self.created = int(time.time())
-        self._warned_degraded = False
+        self.acceptance: Optional[dict] = None      # monitor snapshot after the last job
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
@@ -91,29 +91,32 @@ class Server:
             await self.worker.stop()
 
     # ------------------------------------------------------------------ health
+    def after_job(self) -> None:
+        """Runs in the engine thread after each job, the only thread that touches the monitor:
+        keep a snapshot for /health and /metrics; log when it turns degraded or recovers."""
+        monitor = self.engine.monitor
+        if monitor is None:
+            return
+        was = self.degraded
+        self.acceptance = monitor.snapshot()
+        if self.degraded and not was:
+            log.warning("%s /health reports degraded until acceptance returns.", DEGRADED_HINT)
+        elif was and not self.degraded:
+            log.info("speculation recovered: window tau %.2f", self.acceptance["window_tau"])
+
     @property
     def degraded(self) -> bool:
-        monitor = self.engine.monitor
-        return bool(monitor is not None and monitor.degraded)
+        return bool(self.acceptance is not None and self.acceptance["degraded"])
 
     def health(self) -> dict:
         body = {"status": "degraded" if self.degraded else "ok", "model": self.model_name,
                 "speculative": self.engine.draft is not None,
                 "queue": {"waiting": self.worker.waiting, "running": self.worker.busy}}
-        monitor = self.engine.monitor
-        if monitor is not None:
-            body["acceptance"] = {"rolling_tau": monitor.tau, **monitor.snapshot()}
+        if self.acceptance is not None:
+            body["acceptance"] = self.acceptance
         if self.degraded:
             body["reason"] = DEGRADED_HINT
         return body
-
-    def check_degraded(self) -> None:
-        """Log once when the acceptance monitor turns degraded, and once when it recovers."""
-        if self.degraded and not self._warned_degraded:
-            log.warning("%s (rolling tau %.3f)", DEGRADED_HINT, self.engine.monitor.tau)
-        elif self._warned_degraded and not self.degraded:
-            log.info("speculation recovered: rolling tau %.3f", self.engine.monitor.tau)
-        self._warned_degraded = self.degraded
 
     # ------------------------------------------------------------------ request intake
     def check_auth(self, request: Request) -> None:

@@ -54,5 +54,6 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it may use it", args.host)
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=5)
     return 0

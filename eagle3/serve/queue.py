@@ -14,8 +14,9 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
+from ..errors import InputError
 from ..generate import Chunk, SamplingParams
 
 log = logging.getLogger("eagle3.serve")
@@ -48,10 +49,11 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, engine, max_queue: int):
+    def __init__(self, engine, max_queue: int, after_job: Optional[Callable[[], None]] = None):
         if max_queue < 1:
-            raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+            raise InputError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue = engine, max_queue
+        self.after_job = after_job     # called in the engine thread after each job, before END
         self.queue: Optional[asyncio.Queue] = None
         self.running: Optional[Job] = None
         self.mean_job_s = 1.0          # moving average of job wall time (for Retry-After)
@@ -128,4 +130,12 @@ class EngineWorker:
             job.push(e)
         finally:
             stream.close()
+            self._after_job()
             job.push(END)
+
+    def _after_job(self) -> None:
+        if self.after_job is not None:
+            try:
+                self.after_job()
+            except Exception:
+                log.exception("after-job hook failed")

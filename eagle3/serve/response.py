@@ -97,7 +97,6 @@ class Generation:
             m.latency.observe(now - self.job.arrived)
             m.observe_steps(chunk.result.decode_steps)
             m.requests.labels(self.endpoint, "200").inc()
-            self.server.check_degraded()
 
     # ------------------------------------------------------------------ payload pieces
     def live(self, text: str) -> dict:
@@ -112,7 +111,7 @@ class Generation:
         steps = result.decode_steps
         return {"speculative": self.server.engine.draft is not None, "tau": round(result.tau, 4),
                 "decode_steps": len(steps), "tokens": len(result.token_ids),
-                "drafted_tokens": sum(s.drafted for s in steps),
+                "drafted_tokens": self.drafted,          # emitted tokens that were draft proposals
                 "draft_tokens_proposed": sum(s.proposed for s in steps),
                 "draft_tokens_accepted": sum(s.drafted for s in steps),
                 "acceptance_per_position": [round(a, 4) for a in
@@ -133,7 +132,7 @@ class Generation:
         if not self.chat:
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
         key = "delta" if delta else "message"
-        body = {"content": text} if text is not None else {}
+        body = {"content": text} if text else {}
         if not delta:
             body = {"role": "assistant", "content": text or ""}
         return {"index": 0, key: body, "logprobs": None, "finish_reason": finish}
