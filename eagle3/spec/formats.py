@@ -65,6 +65,7 @@ from ..errors import ContractError, InputError, LoadError, UnsupportedError
 from ..models.config import ModelConfig, RopeConfig
 from ..runtime.loader import read_hf_config, read_safetensors
 from .contract import algorithm_mismatch_error, normalize_algorithm
+from ..models.layers import Rotary
 from .draft import DraftBase, DraftConfig, build_draft
 
 FORMATS = ("eagle", "specforge", "vllm", "speculators")
@@ -492,12 +493,21 @@ def load_strict(draft: DraftBase, state: dict[str, torch.Tensor]) -> None:
 
 
 def optional_keys(state: dict, info: DraftInfo, draft: DraftBase) -> None:
-    """Weights that legitimately come from the target: copy the module's placeholders in."""
+    """Weights that legitimately come from the target: zero placeholders until attach_target."""
     own = draft.state_dict()
     if info.embedding_source == "target":
-        state["embed_tokens.weight"] = own["embed_tokens.weight"]
+        state["embed_tokens.weight"] = torch.zeros_like(own["embed_tokens.weight"])
     if info.lm_head_source == "target":
-        state["lm_head.weight"] = own["lm_head.weight"]
+        state["lm_head.weight"] = torch.zeros_like(own["lm_head.weight"])
+
+
+def empty_draft(cfg: DraftConfig) -> DraftBase:
+    """The module without its random init (every weight is loaded next); rotary tables rebuilt."""
+    with torch.device("meta"):
+        draft = build_draft(cfg)
+    draft = draft.to_empty(device="cpu")
+    draft.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
+    return draft
 
 
 def load_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] = None,
@@ -515,7 +525,7 @@ def load_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] = N
     info, cfg, prefix = inspect_draft(path, target_config, algorithm)
     state = read_weights(Path(path))
     state = module_state(state, prefix, cfg.algorithm)
-    draft = build_draft(cfg)
+    draft = empty_draft(cfg)
     notes = list(info.notes)
     vocab_buffers(state, cfg, notes)
     optional_keys(state, info, draft)
