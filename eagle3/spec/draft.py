@@ -109,7 +109,8 @@ class DraftBase(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        # identity mapping of the first Vd target ids until a real vocabulary is set
+        self.register_buffer("t2d", torch.arange(cfg.vocab_size) < cfg.draft_vocab_size)
 
     def set_embedding(self, weight: torch.Tensor) -> None:
         """Use the target's token embedding [V, H] (frozen, shared, not copied)."""
