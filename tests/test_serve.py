@@ -356,6 +356,15 @@ def test_disconnect_mid_stream_frees_the_engine(slow_server):
     assert m[("eagle3:generation_tokens_total", ())] < 60          # far fewer than 200 + 4
 
 
+def test_disconnect_while_waiting_for_a_whole_response(slow_server):
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(slow_server.url + "/v1/completions", timeout=0.5,
+                   json={"prompt": "Tell a long story", "max_tokens": 200, "temperature": 0})
+    worker = slow_server.app.state.server.worker
+    assert wait_for(lambda: worker.running is None, 2.0), "generation kept running after disconnect"
+    assert metrics(slow_server.url)[("eagle3:requests_cancelled_total", ())] == 1
+
+
 def test_full_queue_answers_503_with_retry_after(slow_server):
     http, running = open_stream(slow_server.url, 200)          # occupies the engine
     lines = running.iter_lines()         # keep a reference: a dropped iterator closes the stream
