@@ -154,23 +154,41 @@ def test_launch_lines_eagle1(target, target_dir, tmp_path):
 
 
 # ---------------------------------------------------------------------------- llama.cpp's own converter
-@pytest.mark.skipif(not os.environ.get("EAGLE3_LLAMA_CPP_DIR"),
-                    reason="set EAGLE3_LLAMA_CPP_DIR to a llama.cpp checkout (e.g. the one vendored in "
-                           "the llama-cpp-python 0.3.36 sdist) to run its convert_hf_to_gguf.py")
-def test_llama_cpp_converter_reads_our_ids(target, tmp_path):
-    """llama.cpp's converter must record the ids we trained on (it reads only the top level)."""
-    lcpp = Path(os.environ["EAGLE3_LLAMA_CPP_DIR"])
-    tdir = tmp_path / "target"
-    tdir.mkdir()
-    (tdir / "config.json").write_text(json.dumps({**TARGET_HF, "model_type": "llama"}))
-    draft = tiny_draft(target, ids=(1, 3, 6))
-    ddir = save_draft(draft, tmp_path / "draft", "specforge", target.config)
-    out = tmp_path / "draft.gguf"
-    env = {**os.environ, "PYTHONPATH": str(lcpp / "gguf-py")}
+LLAMA_CPP = os.environ.get("EAGLE3_LLAMA_CPP_DIR")
+
+
+@pytest.mark.real
+@pytest.mark.skipif(not LLAMA_CPP, reason=(
+    "set EAGLE3_LLAMA_CPP_DIR to a llama.cpp checkout (e.g. vendor/llama.cpp of the llama-cpp-python "
+    "0.3.36 sdist; its converter also needs sentencepiece, add its location with "
+    "EAGLE3_EXTRA_PYTHONPATH) to run its convert_hf_to_gguf.py on our exports"))
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_llama_cpp_converter_reads_our_exports(tmp_path, fmt):
+    """llama.cpp must record the ids we trained on (it reads only top-level ids) and d2t as ids."""
+    from eagle3.models.config import ModelConfig
+    from eagle3.runtime.loader import resolve_model
+    from eagle3.spec.draft import DraftConfig, Eagle3Draft
+    lcpp, src = Path(LLAMA_CPP), resolve_model(None)
+    sys.path.insert(0, str(lcpp / "gguf-py"))
+    import gguf
+    cfg = ModelConfig.from_hf(config_of(src.hf_dir))
+    draft = Eagle3Draft(DraftConfig.for_target(cfg, draft_vocab_size=2048, aux_layer_ids=(1, 15, 27)))
+    used = torch.randperm(cfg.vocab_size)[:2048].sort().values
+    draft.d2t.copy_(used - torch.arange(2048))
+    draft.t2d.zero_()
+    draft.t2d[used] = True
+    ddir = save_draft(draft, tmp_path / fmt, fmt, TargetInfo(cfg, str(src.hf_dir)))
+    paths = [str(lcpp / "gguf-py"), os.environ.get("EAGLE3_EXTRA_PYTHONPATH", "")]
     proc = subprocess.run([sys.executable, str(lcpp / "convert_hf_to_gguf.py"), str(ddir),
-                           "--target-model-dir", str(tdir), "--outfile", str(out), "--vocab-only"],
-                          capture_output=True, text=True, env=env)
-    assert "target_layers = [1, 3, 6]" in proc.stderr + proc.stdout, proc.stderr[-2000:]
+                           "--target-model-dir", str(src.hf_dir), "--outfile", str(tmp_path / "d.gguf")],
+                          capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    reader = gguf.GGUFReader(str(tmp_path / "d.gguf"))
+    field = reader.fields["eagle3.target_layers"]
+    assert [int(field.parts[i][0]) for i in field.data] == [1, 15, 27]
+    d2t = next(t for t in reader.tensors if t.name == "d2t")
+    assert torch.equal(torch.from_numpy(d2t.data.astype("int64")), used)
 
 
 # ---------------------------------------------------------------------------- the real target

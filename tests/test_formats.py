@@ -134,7 +134,7 @@ def test_specforge_ids_are_output_convention(pair, tmp_path):
     hf = json.loads((out / "config.json").read_text())
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert "eagle_aux_hidden_state_layer_ids" not in hf  # defaults: nothing extra at top level
-    info = inspect_draft(out, target.config)[0]
+    info = inspect_draft(out, target.config).info
     assert (info.layer_id_convention, info.stored_layer_ids, info.aux_layer_ids) == \
         ("output", (1, 3, 4), DEFAULT_IDS)
     assert "+1" in info.layer_id_source
@@ -146,7 +146,7 @@ def test_top_level_ids_are_input_convention(pair, tmp_path):
     edit_config(out, lambda hf: (hf.pop("eagle_config"),
                                  hf.update(architectures=["Eagle3LlamaForCausalLM"],
                                            eagle_aux_hidden_state_layer_ids=[2, 4, 5])))
-    info = inspect_draft(out, target.config)[0]
+    info = inspect_draft(out, target.config).info
     assert (info.format, info.layer_id_convention, info.aux_layer_ids) == ("vllm", "input", DEFAULT_IDS)
 
 
@@ -157,7 +157,7 @@ def test_custom_ids_written_in_both_conventions(tmp_path):
     hf = json.loads((out / "config.json").read_text())
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 5]
     assert hf["eagle_aux_hidden_state_layer_ids"] == [1, 3, 6]
-    info = inspect_draft(out, target.config)[0]
+    info = inspect_draft(out, target.config).info
     assert (info.layer_id_convention, info.aux_layer_ids) == ("input+output", (1, 3, 6))
 
 
@@ -174,7 +174,7 @@ def test_default_ids_need_the_target(pair, tmp_path):
     out = save_draft(draft, tmp_path / "e", "eagle", target.config)
     with pytest.raises(LoadError, match="stores no aux layer ids"):
         inspect_draft(out)
-    info = inspect_draft(out, target.config)[0]
+    info = inspect_draft(out, target.config).info
     assert (info.layer_id_convention, info.aux_layer_ids) == ("default", DEFAULT_IDS)
 
 
@@ -188,7 +188,7 @@ def test_off_by_one_is_noted(pair, tmp_path):
     target, draft = pair
     out = save_draft(draft, tmp_path / "sf", "specforge", target.config)
     edit_config(out, lambda hf: hf["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
-    info = inspect_draft(out, target.config)[0]
+    info = inspect_draft(out, target.config).info
     assert info.aux_layer_ids == (3, 5, 6)
     assert any("INPUT-convention defaults" in n for n in info.notes)
 

@@ -167,7 +167,7 @@ def launch_lines(draft_dir: str | Path, target_path: str | Path, *, num_steps: i
     if num_steps < 1 or topk < 1:
         raise InputError(f"num_steps {num_steps} and topk {topk} must be >= 1")
     target = target_shape(str(target_path))
-    info = inspect_draft(draft_dir, target)[0]
+    info = inspect_draft(draft_dir, target).info
     tokens, notes = chain_tokens(num_steps, topk, num_draft_tokens)
     d, t, q = str(draft_dir), str(target_path), shlex.quote
     algo = "EAGLE3" if info.algorithm == "eagle3" else "EAGLE"

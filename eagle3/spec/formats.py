@@ -131,6 +131,12 @@ class DraftInfo:
     notes: tuple[str, ...] = ()
 
 
+class Inspected(NamedTuple):
+    info: DraftInfo
+    config: DraftConfig
+    layer_prefix: str                 # the checkpoint's prefix for the draft layer
+
+
 class LoadedDraft(NamedTuple):
     draft: DraftBase
     info: DraftInfo
@@ -404,8 +410,8 @@ def layer_ids_for(head: Header, algo: str, target: Optional[ModelConfig]) -> tup
 
 
 def inspect_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] = None,
-                  algorithm: Optional[str] = None) -> tuple[DraftInfo, DraftConfig, str]:
-    """Read config.json and tensor shapes; return (info, config, layer prefix). Reads no weights."""
+                  algorithm: Optional[str] = None) -> Inspected:
+    """Read config.json and tensor shapes (no weights): what the draft is, and its DraftConfig."""
     head = read_header(path)
     algo, evidence = detect_algorithm(head.hp, head.format, head.shapes)
     if algorithm is not None and normalize_algorithm(algorithm) != algo:
@@ -423,7 +429,7 @@ def inspect_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] 
         vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
         hidden_size=cfg.hidden_size, target_hidden_size=cfg.target_hidden_size,
         weights_file=weight_files(head.path)[1][0].name, notes=tuple(notes))
-    return info, cfg, layer_prefix(head.shapes, head.format)
+    return Inspected(info, cfg, layer_prefix(head.shapes, head.format))
 
 
 def off_by_one_notes(ids: LayerIds, target: Optional[ModelConfig]) -> list[str]:
