@@ -312,3 +312,19 @@ def test_lines_written_by_eagle3_export_lint_clean(tmp_path, target_dir, target)
         assert report.ok, report.table()
         assert {"launch.sglang.layer_ids", "launch.vllm.layer_ids",
                 "launch.llama.cpp.layer_ids"} <= {c.name for c in report.checks}
+
+
+@pytest.mark.real
+def test_doctor_on_the_real_target_with_an_untrained_draft(tmp_path, real_model):
+    """SmolLM2 (packaged GGUF) + a random-init EAGLE-3 draft: the contract holds, the probe fails."""
+    target, tokenizer, src = real_model
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.for_target(target.config))
+    draft_dir = save_draft(draft, tmp_path / "random", "specforge", target.config)
+    line = sglang("HuggingFaceTB/SmolLM2-135M-Instruct", draft_dir, algo="EAGLE")
+    report = run_doctor(target, draft_dir, line, tokenizer=tokenizer,
+                        settings=ProbeSettings(prompts=("Name three colours.",), max_new_tokens=12))
+    assert {c.name for c in report.failures} == {"launch.sglang.algorithm", "probe.tau"}, \
+        report.table()
+    assert report.probe["tau"] < 1.1 and report.probe["lossless"]
+    assert not any(c.status == "fail" for c in report.checks if c.name.startswith("contract."))

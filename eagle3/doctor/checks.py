@@ -14,9 +14,11 @@ Order of the checks (each a Check with pass/warn/fail, message and fix):
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -37,7 +39,7 @@ CAUSES = ("likely causes: wrong aux layer ids (the 'input to layer i' vs 'output
 @dataclass(frozen=True)
 class ProbeSettings:
     prompts: tuple[str, ...] = PROBE_PROMPTS
-    max_new_tokens: int = 40
+    max_new_tokens: int = 32
     top_k: int = 4
     depth: int = 5
     num_draft_tokens: int = 8
@@ -214,7 +216,8 @@ def probe_prompts(pair: Pair, settings: ProbeSettings) -> list[list[int]]:
     return [torch.randint(0, vocab, (8,), generator=g).tolist() for _ in settings.prompts]
 
 
-def run_probe(pair: Pair, draft: Any, settings: ProbeSettings) -> ProbeResult:
+def run_probe(pair: Pair, draft: Any, settings: ProbeSettings, plain: bool = True) -> ProbeResult:
+    """Greedy generation of each probe prompt with the draft (and without, when `plain`)."""
     from ..generate import Engine, SamplingParams
     from ..spec.tree import SpecParams
     spec = SpecParams(settings.top_k, settings.depth, settings.num_draft_tokens)
@@ -223,19 +226,32 @@ def run_probe(pair: Pair, draft: Any, settings: ProbeSettings) -> ProbeResult:
     params = SamplingParams(max_new_tokens=settings.max_new_tokens, ignore_eos=True)
     tokenizer = pair.tokenizer or IdTokenizer()
     spec_engine = Engine(pair.target, tokenizer, draft=draft, spec=spec, max_model_len=max_len)
-    plain_engine = Engine(pair.target, tokenizer, max_model_len=max_len)
-    results = [(spec_engine.generate(prompt_ids=p, params=params),
-                plain_engine.generate(prompt_ids=p, params=params)) for p in prompts]
-    steps = [s for r, _ in results for s in r.decode_steps]
+    plain_engine = Engine(pair.target, tokenizer, max_model_len=max_len) if plain else None
+    with quiet_monitor():   # the doctor reports low acceptance itself
+        spec_runs = [spec_engine.generate(prompt_ids=p, params=params) for p in prompts]
+        plain_runs = [plain_engine.generate(prompt_ids=p, params=params) for p in prompts] \
+            if plain else []
+    steps = [s for r in spec_runs for s in r.decode_steps]
     emitted = sum(len(s.tokens) for s in steps)
     reached = [sum(s.drafted >= k for s in steps) / max(len(steps), 1)
                for k in range(1, settings.depth + 1)]
-    spec_s, plain_s = (sum(r[i].wall_s for r in results) for i in (0, 1))
-    tokens = sum(len(r.token_ids) for r, _ in results)
+    tokens = sum(len(r.token_ids) for r in spec_runs)
+    spec_s, plain_s = sum(r.wall_s for r in spec_runs), sum(r.wall_s for r in plain_runs)
     return ProbeResult(emitted / max(len(steps), 1), reached,
-                       all(r.token_ids == p.token_ids for r, p in results),
+                       all(r.token_ids == p.token_ids for r, p in zip(spec_runs, plain_runs)),
                        tokens / spec_s if spec_s else 0.0, tokens / plain_s if plain_s else 0.0,
                        len(steps))
+
+
+@contextlib.contextmanager
+def quiet_monitor() -> Iterator[None]:
+    log = logging.getLogger("eagle3.spec")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def probe_checks(pair: Pair, settings: ProbeSettings, report: DoctorReport) -> None:
@@ -274,8 +290,9 @@ def shift_hint(pair: Pair, settings: ProbeSettings, tau: float) -> Optional[str]
         ids = tuple(i + delta for i in cfg.aux_layer_ids)
         if not all(0 <= i < n for i in ids):
             continue
-        shifted_tau = run_probe(pair, shifted_draft(pair.draft, ids), replace(
-            settings, prompts=settings.prompts[:2])).tau
+        quick = replace(settings, prompts=settings.prompts[:2],
+                        max_new_tokens=min(settings.max_new_tokens, 24))
+        shifted_tau = run_probe(pair, shifted_draft(pair.draft, ids), quick, plain=False).tau
         if shifted_tau > max(settings.warn_tau, tau + 0.3) and (best is None or shifted_tau > best[1]):
             best = (ids, shifted_tau)
     if best is None:
