@@ -328,3 +328,15 @@ def test_doctor_on_the_real_target_with_an_untrained_draft(tmp_path, real_model)
         report.table()
     assert report.probe["tau"] < 1.1 and report.probe["lossless"]
     assert not any(c.status == "fail" for c in report.checks if c.name.startswith("contract."))
+
+
+def test_eagle1_draft_served_as_eagle3(tmp_path, target_dir, target):
+    from eagle3.spec.draft import Eagle1Draft
+    torch.manual_seed(0)
+    draft = Eagle1Draft(DraftConfig.for_target(target.config, algorithm="eagle"))
+    draft_dir = write_draft(tmp_path, draft, "e1", "eagle", target=target)
+    report = run_doctor(str(target_dir), draft_dir, [sglang(target_dir, draft_dir),
+                                                     vllm(target_dir, draft_dir)], probe=False)
+    assert "EAGLE-1/2" in by_name(report, "draft.algorithm")[0].message
+    assert_fails(report, "launch.sglang.algorithm", "--speculative-algorithm EAGLE (")
+    assert_fails(report, "launch.vllm.method", '"method": "eagle"')
