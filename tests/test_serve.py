@@ -273,23 +273,23 @@ def test_health_reports_degraded_and_warns(target, caplog):
 PROMPTS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(32)]
 
 
-async def stream_one(aclient, prompt: str) -> tuple[str, float]:
+async def stream_one(aclient, prompt: str, max_tokens: int) -> tuple[str, float]:
     t0 = time.perf_counter()
     stream = await aclient.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=16, temperature=0,
-        stream=True)
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+        temperature=0, stream=True)
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     return text, time.perf_counter() - t0
 
 
-async def load_run(url: str, prompts: list[str], concurrent: bool):
+async def load_run(url: str, prompts: list[str], concurrent: bool, max_tokens: int = 16):
     async with openai.AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0,
                                   timeout=120) as aclient:
         t0 = time.perf_counter()
         if concurrent:
-            results = await asyncio.gather(*(stream_one(aclient, p) for p in prompts))
+            results = await asyncio.gather(*(stream_one(aclient, p, max_tokens) for p in prompts))
         else:
-            results = [await stream_one(aclient, p) for p in prompts]
+            results = [await stream_one(aclient, p, max_tokens) for p in prompts]
         return results, time.perf_counter() - t0
 
 

@@ -66,3 +66,28 @@ def test_eagle3_serve_equals_eagle3_generate(tmp_path):
     assert resp.choices[0].message.content + "\n" == generated.stdout
     assert resp.usage.completion_tokens == MAX_TOKENS
     assert proc.returncode == 0
+
+
+@pytest.mark.skipif(not os.environ.get("EAGLE3_SERVE_LOAD_REAL"),
+                    reason="set EAGLE3_SERVE_LOAD_REAL=1 to measure the real-model load figures")
+def test_real_load_32_concurrent_streams():
+    """32 concurrent streaming clients on SmolLM2 (default draft setting), 8 tokens each: all
+    complete, each equal to its serial run; prints requests/s and p50/p95 latency."""
+    import asyncio
+    import statistics
+
+    from eagle3.api import load_engine
+    from eagle3.serve import create_app
+    from serve_fixtures import RunningServer
+    from test_serve import KEY, MODEL, load_run
+
+    engine = load_engine(max_model_len=512)
+    prompts = [f"Give me one fact about the number {i}." for i in range(32)]
+    with RunningServer(create_app(engine, model_name=MODEL, api_key=KEY)) as server:
+        serial, serial_wall = asyncio.run(load_run(server.url, prompts, False, max_tokens=8))
+        results, wall = asyncio.run(load_run(server.url, prompts, True, max_tokens=8))
+    assert [t for t, _ in results] == [t for t, _ in serial]
+    lat = sorted(s for _, s in results)
+    print(f"\nreal load ({'speculative' if engine.draft is not None else 'plain'}): 32 concurrent "
+          f"streaming clients x 8 tokens: {32 / wall:.2f} req/s, p50 {statistics.median(lat):.2f} s, "
+          f"p95 {lat[int(0.95 * 31)]:.2f} s; serial {32 / serial_wall:.2f} req/s")

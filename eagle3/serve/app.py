@@ -68,6 +68,8 @@ def spec_depth(engine) -> int:
 
 # ---------------------------------------------------------------------------- server state
 class Server:
+    """Per-app state: the engine worker, metrics, auth, request validation and encoding."""
+
     def __init__(self, engine, model_name: str, api_key: Optional[str], max_queue: int,
                  max_body_bytes: int):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
