@@ -239,3 +239,14 @@ def test_load_target_refuses_pickled_weights(tmp_path):
     (tmp_path / "dsv3" / "model.safetensors").rename(tmp_path / "dsv3" / "pytorch_model.bin")
     with pytest.raises(LoadError, match="safetensors"):
         load_target(str(tmp_path / "dsv3"))
+
+
+def test_load_target_refuses_a_checkpoint_with_missing_weights(tmp_path):
+    from safetensors.torch import load_file, save_file
+    tiny_deepseek().save_pretrained(tmp_path / "dsv3", safe_serialization=True)
+    path = tmp_path / "dsv3" / "model.safetensors"
+    state = load_file(str(path))
+    state.pop("model.layers.3.self_attn.kv_b_proj.weight")
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(LoadError, match="kv_b_proj"):
+        load_target(str(tmp_path / "dsv3"))

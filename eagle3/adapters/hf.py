@@ -235,12 +235,24 @@ def load_hf_model(hf_dir: Path, device: str | torch.device = "cpu",
                    "; upgrade transformers or convert the checkpoint to a supported architecture"))
         cls = transformers.AutoModelForCausalLM
     try:
-        model = cls.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True,
-                                    use_safetensors=True, attn_implementation="sdpa",
-                                    trust_remote_code=trust_remote_code)
+        model, info = cls.from_pretrained(str(hf_dir), dtype=dtype, local_files_only=True,
+                                          use_safetensors=True, attn_implementation="sdpa",
+                                          trust_remote_code=trust_remote_code,
+                                          output_loading_info=True)
     except (OSError, ValueError) as e:
         raise LoadError(f"{hf_dir}: transformers could not load {arch} ({e})") from None
+    check_loading_info(hf_dir, info)
     return model.to(device).eval()
+
+
+def check_loading_info(hf_dir: Path, info: dict) -> None:
+    """transformers initialises missing weights randomly and only warns: refuse instead."""
+    missing = sorted(info.get("missing_keys") or [])
+    mismatched = [str(m) for m in info.get("mismatched_keys") or []]
+    if missing or mismatched:
+        raise LoadError(f"{hf_dir}: checkpoint does not match its config: missing "
+                        f"{missing[:5]}{' ...' if len(missing) > 5 else ''}, shape mismatches "
+                        f"{mismatched[:3]}")
 
 
 # ---------------------------------------------------------------------------- target
