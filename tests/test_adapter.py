@@ -250,3 +250,23 @@ def test_load_target_refuses_a_checkpoint_with_missing_weights(tmp_path):
     save_file(state, str(path), metadata={"format": "pt"})
     with pytest.raises(LoadError, match="kv_b_proj"):
         load_target(str(tmp_path / "dsv3"))
+
+
+@pytest.mark.real
+def test_real_smollm2_through_the_adapter_matches_native(real_model):
+    from transformers import AutoModelForCausalLM
+    from eagle3.generate import Engine, SamplingParams
+    native, tokenizer, src = real_model
+    hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32,
+                                              attn_implementation="sdpa")
+    generic = HFTarget(hf)
+    assert generic.config.default_aux_layer_ids == native.config.default_aux_layer_ids == (2, 15, 27)
+    ids = tokenizer.encode("The capital of Italy is", add_special_tokens=False)
+    a = native(torch.tensor([ids]), torch.arange(len(ids)), native.new_cache(16), capture_ids=(2, 15, 27))
+    b = generic(torch.tensor([ids]), torch.arange(len(ids)), generic.new_cache(16),
+                capture_ids=(2, 15, 27))
+    torch.testing.assert_close(a.aux, b.aux, rtol=1e-4, atol=1e-4)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    outs = [Engine(t, tokenizer, max_model_len=64).generate(prompt_ids=ids, params=params).token_ids
+            for t in (native, generic)]
+    assert outs[0] == outs[1]
