@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse flags, load the engine, run uvicorn until interrupted. Returns the exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_queue < 1 or args.max_model_len < 2:
+        parser.error("--max-queue must be >= 1 and --max-model-len >= 2")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         from ..api import load_engine
