@@ -317,7 +317,7 @@ def test_lines_written_by_eagle3_export_lint_clean(tmp_path, target_dir, target)
 @pytest.mark.real
 def test_doctor_on_the_real_target_with_an_untrained_draft(tmp_path, real_model):
     """SmolLM2 (packaged GGUF) + a random-init EAGLE-3 draft: the contract holds, the probe fails."""
-    target, tokenizer, src = real_model
+    target, tokenizer, _ = real_model
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftConfig.for_target(target.config))
     draft_dir = save_draft(draft, tmp_path / "random", "specforge", target.config)

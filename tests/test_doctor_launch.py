@@ -75,10 +75,10 @@ def test_ambiguous_prefix_is_refused_like_argparse():
 
 
 @pytest.mark.parametrize("spec,status,method", [
-    ('{"method": "eagle3", "model": "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", '
-     '"num_speculative_tokens": 3}', "pass", "eagle3"),
-    ('{"method": "eagle", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", '
-     '"num_speculative_tokens": 3}', "fail", "eagle"),
+    (('{"method": "eagle3", "model": "RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3", '
+      '"num_speculative_tokens": 3}'), "pass", "eagle3"),
+    (('{"method": "eagle", "model": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B", '
+      '"num_speculative_tokens": 3}'), "fail", "eagle"),
     ('{"model": "yuhuili/EAGLE-LLaMA3.1-Instruct-8B", "num_speculative_tokens": 5}', "fail",
      "'eagle-' -> eagle"),
     ('{"model": "/models/llama-eagle3-draft", "num_speculative_tokens": 5}', "pass", "eagle3"),

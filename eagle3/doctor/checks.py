@@ -238,7 +238,8 @@ def run_probe(pair: Pair, draft: Any, settings: ProbeSettings, plain: bool = Tru
     tokens = sum(len(r.token_ids) for r in spec_runs)
     spec_s, plain_s = sum(r.wall_s for r in spec_runs), sum(r.wall_s for r in plain_runs)
     return ProbeResult(emitted / max(len(steps), 1), reached,
-                       all(r.token_ids == p.token_ids for r, p in zip(spec_runs, plain_runs)),
+                       all(r.token_ids == p.token_ids
+                           for r, p in zip(spec_runs, plain_runs, strict=True)) if plain else True,
                        tokens / spec_s if spec_s else 0.0, tokens / plain_s if plain_s else 0.0,
                        len(steps))
 

@@ -84,7 +84,7 @@ def _gguf_fields(path: Path) -> Optional[dict]:
     try:
         from gguf import GGUFReader
         return GGUFReader(str(path)).fields
-    except Exception:  # not a readable GGUF: reported by the caller as "unknown"
+    except Exception:  # noqa: BLE001  gguf raises many types on a bad file; caller says "unknown"
         return None
 
 
@@ -261,8 +261,8 @@ def _algo_message(flag: str, draft: DraftFacts) -> str:
         return (f"{flag} on an EAGLE3 draft: the engine hands it one target hidden state, not the "
                 f"{k} fused layers {list(draft.aux_layer_ids)} its fc expects; it still runs and "
                 "acceptance falls to zero with no error (the documented incident)")
-    return f"{flag} on an EAGLE-1/2 draft: the engine would feed fused aux states to an fc over " \
-           "cat(embedding, hidden)"
+    return (f"{flag} on an EAGLE-1/2 draft: the engine would feed fused aux states to an fc over "
+            "cat(embedding, hidden)")
 
 
 def sglang_tree(o: dict[str, str]) -> list[Check]:

@@ -76,7 +76,7 @@ class DoctorReport:
             lines.append(f"{c.status.upper():<6}  {c.name:<{name_w}}  {wrapped[0]}")
             lines += [f"{'':<6}  {'':<{name_w}}  {w}" for w in wrapped[1:]]
             if c.fix and c.status != "pass":
-                for i, w in enumerate(textwrap.wrap("fix: " + c.fix, msg_w)):
+                for w in textwrap.wrap("fix: " + c.fix, msg_w):
                     lines.append(f"{'':<6}  {'':<{name_w}}  {w}")
         verdict = "FAIL" if self.failures else "OK"
         lines.append(f"\n{verdict}: {len(self.checks)} checks, {len(self.failures)} failed, "
