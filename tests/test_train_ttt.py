@@ -57,3 +57,19 @@ def test_alignment_and_loss_terms():
     assert stats.step_loss.shape == (7,) and torch.isfinite(stats.loss)
     assert stats.counted[0] == int(a.loss_mask.sum())
     assert stats.counted[6] == int(shift_left(a.loss_mask, 6).sum())
+
+
+def test_feature_cache_roundtrip(tmp_path):
+    from eagle3.train.features import FeatureCache, FeatureSource, Sample, build_cache
+    target = tiny_target()
+    gen = torch.Generator().manual_seed(3)
+    samples = [Sample(torch.randint(4, 96, (n,), generator=gen), torch.ones(n, dtype=torch.bool))
+               for n in (5, 9, 7, 4, 6)]
+    aux_ids = target.config.default_aux_layer_ids
+    cache = build_cache(target, samples[:3], aux_ids, tmp_path, shard_size=2, dtype=torch.float32)
+    cache = build_cache(target, samples, aux_ids, tmp_path, shard_size=2, dtype=torch.float32)  # grows
+    assert FeatureCache.complete(tmp_path, aux_ids, 5)
+    cached = FeatureSource(samples, aux_ids, cache=cache).batch([4, 1, 2])
+    online = FeatureSource(samples, aux_ids, target=target).batch([4, 1, 2])
+    for a, b in zip(cached, online):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)

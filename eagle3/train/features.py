@@ -136,7 +136,7 @@ class FeatureCache:
 
 
 def build_cache(target: LlamaModel, samples: Sequence[Sample], aux_ids: Sequence[int], root: Path,
-                shard_size: int = 256, batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
+                shard_size: int = 64, batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
                 progress=None) -> FeatureCache:
     """Write every sample's features to shards (resumable: finished shards are kept)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -145,7 +145,7 @@ def build_cache(target: LlamaModel, samples: Sequence[Sample], aux_ids: Sequence
     for k in range(num_shards):
         part = samples[k * shard_size:(k + 1) * shard_size]
         path = root / f"shard-{k:05d}.safetensors"
-        if not path.is_file():
+        if not _shard_ok(path, part):
             _write_shard(target, part, aux_ids, path, batch_size, dtype)
         if bar:
             bar.update(len(part))
@@ -153,6 +153,15 @@ def build_cache(target: LlamaModel, samples: Sequence[Sample], aux_ids: Sequence
             "dtype": str(dtype).replace("torch.", "")}
     (root / "cache.json").write_text(json.dumps(meta))
     return FeatureCache(root)
+
+
+def _shard_ok(path: Path, part: Sequence[Sample]) -> bool:
+    """A shard is reused only if it holds exactly these samples' lengths (a partial one is rewritten)."""
+    if not path.is_file():
+        return False
+    with safe_open(str(path), framework="pt") as f:
+        lengths = f.get_tensor("offsets").diff().tolist()
+    return lengths == [len(s.ids) for s in part]
 
 
 def _write_shard(target, part, aux_ids, path: Path, batch_size: int, dtype) -> None:

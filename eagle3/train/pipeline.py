@@ -93,7 +93,7 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
     prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None)
     draft = make_draft(target, cfg, prep.vocab)
     model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay))
-    wrapped = torch.nn.parallel.DistributedDataParallel(model) if d.world > 1 else model
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
     source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d)
     ckpt_dir = out or cfg.out_dir
     run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],

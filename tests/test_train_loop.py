@@ -1,0 +1,99 @@
+import json
+import socket
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from eagle3.train.config import TrainConfig
+from eagle3.train.dryrun import synthetic_samples
+from eagle3.train.pipeline import train
+from eagle3.train.tiny import tiny_target
+from eagle3.train.trainer import Dist, epoch_batches, lr_at, load_checkpoint
+
+BASE = TrainConfig(draft_vocab_size=64, batch_size=4, epochs=2, lr=3e-3, warmup_steps=3, eval_every=0,
+                   eval_fraction=0.0, checkpoint_every_s=1e9, features="online", ttt_steps=3)
+
+
+def weights(draft):
+    return {k: v.clone() for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+
+
+def log(path):
+    return [json.loads(l) for l in (path / "train_log.jsonl").read_text().splitlines()]
+
+
+def test_loss_decreases_on_tiny_task(tmp_path):
+    torch.set_num_threads(1)
+    target = tiny_target(std=1.0)          # peaky teacher: a learnable synthetic task
+    samples = synthetic_samples(target, 16)
+    train(target, samples, replace(BASE, epochs=6, ttt_steps=2), out=tmp_path)
+    recs = [r for r in log(tmp_path) if "loss" in r]
+    assert len(recs) == 24
+    first = sum(r["loss"] for r in recs[:4]) / 4
+    last = sum(r["loss"] for r in recs[-4:]) / 4
+    assert last < 0.7 * first, (first, last)
+    assert sum(r["acc"][0] for r in recs[-4:]) > sum(r["acc"][0] for r in recs[:4])
+
+
+def test_resumed_run_matches_uninterrupted(tmp_path):
+    torch.set_num_threads(1)
+    target = tiny_target()
+    samples = synthetic_samples(target, 12)
+    full = weights(train(target, samples, BASE, out=tmp_path / "full"))
+    train(target, samples, replace(BASE, max_steps=4), out=tmp_path / "part")
+    assert load_checkpoint(tmp_path / "part" / "checkpoint.pt")["step"] == 4
+    resumed = weights(train(target, samples, BASE, out=tmp_path / "part"))
+    assert len(log(tmp_path / "part")) == len(log(tmp_path / "full")) == 6
+    for k in full:
+        assert torch.equal(full[k], resumed[k]), k
+    assert not torch.equal(full["fc.weight"], weights(train(target, samples, replace(BASE, max_steps=4),
+                                                               out=tmp_path / "other"))["fc.weight"])
+
+
+def test_data_order_and_schedule():
+    lengths = [5, 9, 3, 7, 8, 2, 6, 4, 1, 10]
+    a = epoch_batches(lengths, list(range(10)), 3, seed=0, epoch=0)
+    assert a == epoch_batches(lengths, list(range(10)), 3, seed=0, epoch=0)
+    assert a != epoch_batches(lengths, list(range(10)), 3, seed=0, epoch=1)
+    assert sorted(i for b in a for i in b) == list(range(10))
+    cfg = TrainConfig(lr=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    assert lr_at(0, 100, cfg) == pytest.approx(0.1) and lr_at(9, 100, cfg) == pytest.approx(1.0)
+    assert lr_at(100, 100, cfg) == pytest.approx(0.1) and lr_at(55, 100, cfg) == pytest.approx(0.55)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, port, out, result):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    target = tiny_target()
+    samples = synthetic_samples(target, 12)
+    draft = train(target, samples, BASE, Dist(rank, 2), out=out)
+    if rank == 0:
+        torch.save(weights(draft), result)
+    dist.destroy_process_group()
+
+
+def test_ddp_two_ranks_match_one_process(tmp_path):
+    torch.set_num_threads(1)
+    target = tiny_target()
+    one = weights(train(target, synthetic_samples(target, 12), BASE, out=tmp_path / "one"))
+    result = tmp_path / "ddp.pt"
+    mp.spawn(_ddp_worker, args=(_free_port(), tmp_path / "ddp", result), nprocs=2, join=True)
+    two = torch.load(result, weights_only=True)
+    for k in one:
+        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
+    assert not torch.equal(one["fc.weight"], tiny_draft_fc_init(target))
+
+
+def tiny_draft_fc_init(target):
+    from eagle3.train.pipeline import make_draft, prepare
+    samples = synthetic_samples(target, 12)
+    return make_draft(target, BASE, prepare(samples, BASE, 96, None).vocab).fc.weight.detach()
