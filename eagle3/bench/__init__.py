@@ -1,0 +1,163 @@
+"""`eagle3 bench`: this project against HF transformers and llama.cpp, in one interleaved run.
+
+Workload: MT-bench first turns (chat template), 256 new tokens, temperature 0 and 1, a fixed seed per
+prompt, warm-up excluded. Prints one table (tokens/s, per-prompt speedups with their spread, tau,
+time split, peak memory), acceptance per draft position, the greedy identity check and the
+decode-forward-vs-memory-bound ratio; writes bench.json and PNG plots to --out.
+
+    eagle3 bench                       # the full run (80 prompts x 2 temperatures x every system)
+    eagle3 bench --quick               # 3 prompts, 32 tokens
+    eagle3 bench --tune                # measure tree shapes on this machine, print the best
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Optional
+
+from ..errors import InputError
+from ..spec.tree import SpecParams
+from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
+                     table, to_jsonable)
+from .runner import BenchConfig, build, machine_info, run
+from .stats import Record
+from .systems import GenParams, RunResult, System
+from .workload import BenchPrompt, load_questions, make_prompts, select_questions
+
+__all__ = ["bench_main", "BenchConfig", "build", "run", "Record", "GenParams", "RunResult", "System",
+           "BenchPrompt", "load_questions", "make_prompts", "select_questions"]
+
+QUICK = dict(prompts=3, max_new_tokens=32)
+TUNE = dict(prompts=4, max_new_tokens=64)
+
+
+def parse_tree(text: str) -> SpecParams:
+    try:
+        k, d, n = (int(x) for x in text.split(","))
+    except ValueError:
+        raise InputError(f"--tree wants TOP_K,DEPTH,NUM_DRAFT_TOKENS (e.g. 4,5,8), got {text!r}")
+    return SpecParams(k, d, n)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="eagle3 bench", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="target (default: packaged SmolLM2 GGUF)")
+    p.add_argument("--draft", default="default", help="draft dir; 'default' = the shipped draft")
+    p.add_argument("--prompts", type=int, default=None, help="MT-bench prompts (default 80)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
+    p.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for every system "
+                   "(default: all cores this process may use)")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    p.add_argument("--chain-depth", type=int, default=5, help="ours-chain and llama.cpp-eagle3 depth")
+    p.add_argument("--tree", default="4,5,8", help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS")
+    p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (HF, llama.cpp)")
+    p.add_argument("--systems", default=None, help="comma-separated names, '*' suffix = prefix "
+                   "(e.g. ours-*,hf-generate); default: all available")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--quick", action="store_true", help="3 prompts, 32 new tokens")
+    p.add_argument("--tune", action="store_true", help="measure tree shapes, print the best")
+    p.add_argument("--tune-shapes", default=None, help="'K,D,N;K,D,N' for --tune (K=1: chain)")
+    p.add_argument("--no-roofline", action="store_true", help="skip the memory-bound comparison")
+    p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    return p.parse_args(argv)
+
+
+def config_from(args: argparse.Namespace) -> BenchConfig:
+    import os
+    preset = TUNE if args.tune else QUICK if args.quick else {}
+    temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
+    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                               else os.cpu_count() or 1)
+    systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else None
+    if args.tune:
+        systems, temps = ("ours-*",), (0.0,)
+    return BenchConfig(model=args.model, draft=args.draft,
+                       prompts=args.prompts or preset.get("prompts", 80),
+                       max_new_tokens=args.max_new_tokens or preset.get("max_new_tokens", 256),
+                       temperatures=temps, seed=args.seed, threads=threads, device=args.device,
+                       chain_depth=args.chain_depth, tree=parse_tree(args.tree),
+                       prompt_lookup=args.prompt_lookup, systems=systems,
+                       ignore_eos=args.ignore_eos, max_model_len=args.max_model_len)
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def bench_main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg = config_from(args)
+    setup = build(cfg, log=log)
+    if args.tune:
+        return tune_main(args, cfg, setup)
+    if not setup.systems:
+        raise InputError("no system to run: " + "; ".join(f"{n}: {r}" for n, r in setup.skipped))
+    log(f"{len(setup.prompts)} prompts x {len(cfg.temperatures)} temperatures x "
+        f"{len(setup.systems)} systems ({', '.join(s.name for s in setup.systems)}), "
+        f"{cfg.max_new_tokens} new tokens, {cfg.threads} threads")
+    t0 = time.time()
+    records, peaks, failed = run(cfg, setup, progress=not args.no_progress)
+    peak_dict = {"rss": peaks.rss, "child_rss": peaks.child_rss, "gpu": peaks.gpu}
+    rows = summarize(records, setup.depths, peak_dict)
+    ids = identities(records)
+    roof = None if args.no_roofline else measure_roofline(setup)
+    print_report(cfg, setup, rows, ids, failed, roof)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"command": "eagle3 bench " + shlex.join(argv), "config": to_jsonable(cfg), "elapsed_s": time.time() - t0,
+            "machine": machine_info(setup.systems[0].device), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "workload": f"MT-bench first turns, {len(setup.prompts)} prompts, chat template, "
+                        f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}"}
+    extra = {"skipped": setup.skipped, "failed": failed, "load_rss_mb": setup.load_rss_mb,
+             "peaks_bytes": peak_dict, "roofline": roof}
+    save_json(out / "bench.json", meta, rows, records, ids, extra)
+    plots = [] if args.no_plots else save_plots(out, rows, records)
+    log(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
+    return 0
+
+
+def measure_roofline(setup):
+    from .roofline import measure
+    return measure(setup.target, setup.weight_bytes)
+
+
+def print_report(cfg: BenchConfig, setup, rows, ids, failed, roof) -> None:
+    print(table(rows))
+    print("tok/s: median over prompts [IQR], agg = all tokens / all seconds; x B: per-prompt "
+          "tokens/s ratio to B at the same temperature, median [IQR]")
+    text = acceptance_text(rows)
+    if text:
+        print(text)
+    if ids:
+        print(identity_text(ids))
+    for name, reason in setup.skipped:
+        print(f"skipped {name}: {reason}")
+    for name, reason in failed.items():
+        print(f"FAILED {name}: {reason}")
+    if roof is not None:
+        print(roof.text())
+
+
+def tune_main(args: argparse.Namespace, cfg: BenchConfig, setup) -> int:
+    from .tune import parse_shapes, tune, tune_text
+    if not any(getattr(s, "speculative", False) for s in setup.systems):
+        raise InputError("--tune needs a draft: " + "; ".join(r for _, r in setup.skipped))
+    log(f"tuning {len(parse_shapes(args.tune_shapes))} shapes on {len(setup.prompts)} prompts, "
+        f"{cfg.max_new_tokens} tokens, greedy")
+    rows = tune(cfg, setup, parse_shapes(args.tune_shapes), progress=not args.no_progress)
+    print(tune_text(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import json
+    (out / "tune.json").write_text(json.dumps({"config": to_jsonable(cfg), "rows": [
+        {**to_jsonable(r), "label": r.label} for r in rows]}, indent=1) + "\n")
+    return 0

@@ -1,0 +1,178 @@
+"""llama.cpp systems on the same GGUF: the Python binding (plain, prompt lookup) and the EAGLE-3
+mode of the vendored llama.cpp (`llama-speculative-simple --spec-type draft-eagle3`, chain drafting).
+
+The binding comes from `pip install llama-cpp-python==0.3.36`; the binary and the draft converter
+from scripts/build_llama_cpp.sh (cached under ~/.cache/eagle3/llama.cpp). Whatever is missing is
+skipped with the reason. llama.cpp runs on the CPU here (the wheel is built without CUDA).
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .systems import GenParams, RunResult
+from .workload import BenchPrompt
+
+LLAMA_CPP_HOME = Path(os.environ.get("EAGLE3_LLAMA_CPP", Path.home() / ".cache/eagle3/llama.cpp"))
+SPEC_BINARY = "build/bin/llama-speculative-simple"
+CONVERTER = "src/convert_hf_to_gguf.py"
+
+
+def sampler_kwargs(params: GenParams) -> dict:
+    """Plain temperature sampling (llama.cpp's defaults add top-k 40, top-p 0.95, min-p 0.05)."""
+    return dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, repeat_penalty=1.0,
+                temp=params.temperature)
+
+
+# ---------------------------------------------------------------------------- Python binding
+class LlamaCppSystem:
+    family = "llama.cpp"
+    device = "cpu"
+
+    def __init__(self, name: str, llm):
+        self.name, self.llm = name, llm
+
+    def warmup(self, prompt: BenchPrompt, params: GenParams) -> None:
+        self.run(prompt, params)
+
+    def run(self, prompt: BenchPrompt, params: GenParams) -> RunResult:
+        self.llm.reset()                     # no prefix reuse across prompts (fair prefill)
+        self.llm.set_seed(params.seed)
+        out: list[int] = []
+        t0 = time.perf_counter()
+        for tok in self.llm.generate(list(prompt.ids), **sampler_kwargs(params)):
+            if tok in params.stop_ids and not params.ignore_eos:
+                break
+            out.append(int(tok))
+            if len(out) >= params.max_new_tokens:
+                break
+        return RunResult(out, time.perf_counter() - t0)
+
+
+def build_binding(gguf: Path, threads: int, n_ctx: int, prompt_lookup: int
+                  ) -> tuple[list[LlamaCppSystem], list[tuple[str, str]]]:
+    names = ("llama.cpp", "llama.cpp-prompt-lookup")
+    if importlib.util.find_spec("llama_cpp") is None:
+        reason = ("llama-cpp-python is not installed (CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 "
+                  "pip install llama-cpp-python==0.3.36; builds from source)")
+        return [], [(n, reason) for n in names]
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    common = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                  verbose=False)
+    plain = Llama(**common)
+    pld = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup))
+    return [LlamaCppSystem(names[0], plain), LlamaCppSystem(names[1], pld)], []
+
+
+# ---------------------------------------------------------------------------- EAGLE-3 binary
+_ENC = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_DEC = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+_STAT = re.compile(r"^.*?(n_drafted|n_accept|n_predict)\s*=\s*(\d+)", re.M)
+
+
+class SpecSimpleOutput(dict):
+    """Parsed stderr of llama-speculative-simple."""
+
+    @classmethod
+    def parse(cls, log: str) -> "SpecSimpleOutput":
+        enc, dec = _ENC.search(log), _DEC.search(log)
+        if not enc or not dec:
+            raise RuntimeError("llama-speculative-simple printed no timing lines:\n" + log[-2000:])
+        out = cls(prompt_tokens=int(enc.group(1)), encode_s=float(enc.group(2)),
+                  decoded=int(dec.group(1)), decode_s=float(dec.group(2)))
+        out.update({k: int(v) for k, v in _STAT.findall(log)})
+        return out
+
+    @property
+    def tau(self) -> Optional[float]:
+        forwards = self.get("n_predict", 0) - self.get("n_accept", 0)
+        return self["n_predict"] / forwards if forwards > 0 else None
+
+
+class LlamaCppEagle3System:
+    """One llama-speculative-simple process per generation; its own timers (prompt + decode) are
+    used, so model loading is not counted. Its output text is not token ids: tokens are counted."""
+    family = "llama.cpp"
+    device = "cpu"
+
+    def __init__(self, name: str, binary: Path, target_gguf: Path, draft_gguf: Path, depth: int,
+                 threads: int, n_ctx: int):
+        self.name, self.binary, self.depth = name, binary, depth
+        self.target_gguf, self.draft_gguf = target_gguf, draft_gguf
+        self.threads, self.n_ctx = threads, n_ctx
+        self.tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
+        self.pid: Optional[int] = None
+
+    def command(self, prompt_file: Path, params: GenParams) -> list[str]:
+        s = sampler_kwargs(params)
+        cmd = [str(self.binary), "-m", str(self.target_gguf), "-md", str(self.draft_gguf),
+               "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(self.depth),
+               "-f", str(prompt_file), "-n", str(params.max_new_tokens), "-c", str(self.n_ctx),
+               "-t", str(self.threads), "-tb", str(self.threads), "--seed", str(params.seed),
+               "--temp", str(s["temp"]), "--top-k", "0", "--top-p", "1", "--min-p", "0",
+               "--repeat-penalty", "1", "-ngl", "0"]
+        return cmd + (["--ignore-eos"] if params.ignore_eos else [])
+
+    def warmup(self, prompt: BenchPrompt, params: GenParams) -> None:
+        self.run(prompt, params)
+
+    def run(self, prompt: BenchPrompt, params: GenParams) -> RunResult:
+        prompt_file = self.tmp / "prompt.txt"
+        prompt_file.write_text(prompt.chat_text, encoding="utf-8")
+        proc = subprocess.Popen(self.command(prompt_file, params), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        self.pid = proc.pid
+        log, _ = proc.communicate()
+        self.pid = None
+        if proc.returncode != 0:
+            raise RuntimeError(f"{self.binary.name} exited with {proc.returncode}:\n{log[-2000:]}")
+        out = SpecSimpleOutput.parse(log)
+        # the binary may overshoot the budget by part of a draft; its own counts are used as is
+        return RunResult([-1] * out["decoded"], out["encode_s"] + out["decode_s"], tau=out.tau,
+                         extra=dict(out))
+
+
+def draft_gguf_for(draft, target_config, hf_dir: Path, converter: Path) -> Path:
+    """Write the draft in the SpecForge layout and convert it once (cached by its bytes)."""
+    from ..spec.formats import save_draft
+    staged = save_draft(draft, LLAMA_CPP_HOME / "drafts" / f"staging-{os.getpid()}", "specforge",
+                        target_config, dtype=torch.float32)
+    digest = hashlib.sha256()
+    for f in sorted(staged.iterdir()):
+        digest.update(f.name.encode() + f.read_bytes())
+    out = LLAMA_CPP_HOME / "drafts" / f"draft-{digest.hexdigest()[:12]}.gguf"
+    if not out.is_file():
+        cmd = [sys.executable, str(converter), str(staged), "--target-model-dir", str(hf_dir),
+               "--outtype", "f32", "--outfile", str(out)]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"draft conversion failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+    shutil.rmtree(staged, ignore_errors=True)
+    return out
+
+
+def build_eagle3(draft, target_config, hf_dir: Path, gguf: Path, depth: int, threads: int,
+                 n_ctx: int) -> tuple[list[LlamaCppEagle3System], list[tuple[str, str]]]:
+    name = "llama.cpp-eagle3"
+    binary, converter = LLAMA_CPP_HOME / SPEC_BINARY, LLAMA_CPP_HOME / CONVERTER
+    if draft is None:
+        return [], [(name, "no draft")]
+    if not binary.is_file() or not converter.is_file():
+        return [], [(name, f"{binary} not built (optional: bash scripts/build_llama_cpp.sh)")]
+    try:
+        draft_gguf = draft_gguf_for(draft, target_config, hf_dir, converter)
+    except RuntimeError as e:
+        return [], [(name, str(e).splitlines()[0])]
+    return [LlamaCppEagle3System(name, binary, gguf, draft_gguf, depth, threads, n_ctx)], []

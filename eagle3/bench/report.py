@@ -1,0 +1,187 @@
+"""Summary rows, the printed table, the JSON file and the PNG plots of a bench run."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from .stats import (Identity, Record, Spread, acceptance_per_position, greedy_identity, ratios,
+                    tau_pooled)
+
+VS = ("hf-generate", "ours-plain", "llama.cpp", "llama.cpp-eagle3")   # ratio columns, if present
+
+
+@dataclass(frozen=True)
+class Row:
+    system: str
+    temperature: float
+    device: str
+    prompts: int
+    tokens_per_s: Spread                       # per-prompt tokens/s
+    aggregate_tokens_per_s: float              # all tokens / all seconds
+    speedup: dict[str, Optional[Spread]]       # baseline -> per-prompt ratio spread
+    tau: Optional[float]
+    acceptance: Optional[list[float]]          # per draft position (ours)
+    split: Optional[dict[str, float]]          # fractions of wall time: draft / verify / other
+    peak_rss_mb: Optional[float]
+    peak_gpu_mb: Optional[float]
+
+
+def time_split(recs: list[Record]) -> Optional[dict[str, float]]:
+    if any(r.draft_s is None for r in recs):
+        return None
+    total = sum(r.seconds for r in recs) or 1.0
+    return {"draft": sum(r.draft_s for r in recs) / total,
+            "verify": sum(r.verify_s for r in recs) / total,
+            "other": sum(r.other_s for r in recs) / total}
+
+
+def tau_of(recs: list[Record]) -> Optional[float]:
+    pooled = tau_pooled(recs)
+    if pooled is not None:
+        return pooled
+    taus = [r.tau for r in recs if r.tau is not None]
+    return sum(taus) / len(taus) if taus else None
+
+
+def make_row(records: list[Record], system: str, temp: float, depth: Optional[int],
+             peaks: dict) -> Row:
+    recs = [r for r in records if r.system == system and r.temperature == temp]
+    present = {r.system for r in records}
+    speedup = {b: Spread.of(ratios(records, system, b, temp)) for b in VS
+               if b in present and b != system}
+    secs = sum(r.seconds for r in recs)
+    rss = peaks.get("rss", {}).get(system) or peaks.get("child_rss", {}).get(system)
+    gpu = peaks.get("gpu", {}).get(system)
+    return Row(system, temp, recs[0].device, len(recs), Spread.of([r.tokens_per_s for r in recs]),
+               sum(r.new_tokens for r in recs) / secs if secs else 0.0, speedup, tau_of(recs),
+               acceptance_per_position(recs, depth) if depth and recs[0].accept_lens is not None
+               else None, time_split(recs), rss / 2**20 if rss else None,
+               gpu / 2**20 if gpu else None)
+
+
+def summarize(records: list[Record], depths: dict[str, int], peaks: dict) -> list[Row]:
+    systems = list(dict.fromkeys(r.system for r in records))
+    temps = sorted({r.temperature for r in records})
+    return [make_row(records, s, t, depths.get(s), peaks) for t in temps for s in systems
+            if any(r.system == s and r.temperature == t for r in records)]
+
+
+def identities(records: list[Record]) -> list[Identity]:
+    """Greedy token identity: each of our speculative systems vs ours-plain (must hold), and
+    ours-plain vs HF generate / llama.cpp (informational: other kernels, other numerics)."""
+    spec = [s for s in dict.fromkeys(r.system for r in records)
+            if s.startswith("ours-") and s != "ours-plain"]
+    pairs = [(s, "ours-plain") for s in spec] + [("hf-generate", "ours-plain"),
+                                                 ("llama.cpp", "ours-plain")]
+    return [i for i in (greedy_identity(records, a, b) for a, b in pairs) if i is not None]
+
+
+# ---------------------------------------------------------------------------- text
+def fmt(x: Optional[float], spec: str = "{:.2f}") -> str:
+    return "-" if x is None else spec.format(x)
+
+
+def table(rows: list[Row]) -> str:
+    cols = [b for b in VS if any(b in r.speedup for r in rows)]
+    head = (f"{'system':<20} {'T':>3} {'n':>3} {'tok/s med [IQR]':>22} {'agg':>6} "
+            + " ".join(f"{'x ' + b:>20}" for b in cols)
+            + f" {'tau':>5} {'draft/verify/other':>18} {'RSS MB':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sp = " ".join(f"{r.speedup[b].text() if r.speedup.get(b) else '-':>20}" for b in cols)
+        split = "/".join(f"{100 * r.split[k]:.0f}" for k in ("draft", "verify", "other")) \
+            if r.split else "-"
+        lines.append(f"{r.system:<20} {r.temperature:>3g} {r.prompts:>3} "
+                     f"{r.tokens_per_s.text('{:.1f}'):>22} {r.aggregate_tokens_per_s:>6.1f} {sp} "
+                     f"{fmt(r.tau):>5} {split + ' %' if r.split else '-':>18} "
+                     f"{fmt(r.peak_rss_mb, '{:.0f}'):>7}")
+    return "\n".join(lines)
+
+
+def acceptance_text(rows: list[Row]) -> str:
+    lines = []
+    for r in rows:
+        if r.acceptance:
+            pos = " ".join(f"{a:.2f}" for a in r.acceptance)
+            lines.append(f"  {r.system:<20} T={r.temperature:g}: {pos}")
+    return "acceptance per draft position (share of steps accepting >= k tokens):\n" + "\n".join(lines) \
+        if lines else ""
+
+
+def identity_text(ids: list[Identity]) -> str:
+    lines = ["greedy outputs, token for token:"]
+    for i in ids:
+        div = ", ".join(f"q{q}@{at}" for q, at in i.divergences[:8])
+        lines.append(f"  {i.system:<20} vs {i.reference:<11} identical on {i.identical}/{i.compared}"
+                     + (f"  (first divergence: {div})" if div else ""))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- files
+def to_jsonable(x):
+    if hasattr(x, "__dataclass_fields__"):
+        return to_jsonable(asdict(x))
+    if isinstance(x, dict):
+        return {str(k): to_jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [to_jsonable(v) for v in x]
+    return x
+
+
+def save_json(path: Path, meta: dict, rows: list[Row], records: list[Record],
+              ids: list[Identity], extra: dict) -> None:
+    doc = {"meta": meta, "summary": to_jsonable(rows), "identity": to_jsonable(ids),
+           **to_jsonable(extra), "records": [r.to_json() for r in records]}
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def save_plots(out_dir: Path, rows: list[Row], records: list[Record]) -> list[Path]:
+    """speedup per system (box plot over prompts), acceptance per position, tau histogram."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from .stats import ratios
+    paths = []
+    temps = sorted({r.temperature for r in rows})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        names = [r.system for r in rows if r.temperature == t and r.system != "hf-generate"]
+        data = [ratios(records, s, "hf-generate", t) for s in names]
+        keep = [(n, d) for n, d in zip(names, data) if d]
+        if keep:
+            ax.boxplot([d for _, d in keep], tick_labels=[n for n, _ in keep], vert=False)
+        ax.axvline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"tokens/s vs HF generate, per prompt (T={t:g})")
+        ax.set_xlabel("speedup")
+    fig.tight_layout()
+    paths.append(_save(fig, out_dir / "speedup.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        if r.acceptance:
+            ax.plot(range(1, len(r.acceptance) + 1), r.acceptance, marker="o",
+                    label=f"{r.system} T={r.temperature:g}")
+    ax.set(xlabel="draft position k", ylabel="share of steps accepting >= k", ylim=(0, 1),
+           title="acceptance per draft position")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "acceptance.png"))
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in dict.fromkeys(r.system for r in records if r.tau is not None):
+        for t in temps:
+            taus = [r.tau for r in records if r.system == name and r.temperature == t and r.tau]
+            if taus:
+                ax.hist(taus, bins=20, alpha=0.5, label=f"{name} T={t:g}")
+    ax.set(xlabel="tau (tokens per target forward, per prompt)", ylabel="prompts",
+           title="tau per prompt")
+    ax.legend(fontsize=8)
+    paths.append(_save(fig, out_dir / "tau_hist.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

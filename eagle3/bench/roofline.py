@@ -1,0 +1,97 @@
+"""One decode forward of the target against the memory-bandwidth bound.
+
+A batch-1 decode forward reads every weight once, so it cannot beat weight_bytes / bandwidth.
+Bandwidth is measured with a large tensor copy (bytes read + bytes written per second, the STREAM
+"copy" convention) and, as a cross-check, a pure read (a sum). ratio = measured / bound: 1.0 means
+the forward runs at the memory bound, 2.0 means it takes twice as long as the bound allows.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Roofline:
+    weight_bytes: int
+    copy_gb_s: float            # (read + write) bytes / s of a large copy
+    read_gb_s: float            # bytes / s of a large sum
+    forward_ms: float           # median one-token decode forward, `context` tokens cached
+    context: int
+    bound_ms: float             # weight_bytes / copy bandwidth
+    ratio: float                # forward_ms / bound_ms
+    ratio_read: float           # against the pure-read bandwidth
+
+    def text(self) -> str:
+        return (f"target decode forward {self.forward_ms:.2f} ms (context {self.context}) vs memory "
+                f"bound {self.bound_ms:.2f} ms ({self.weight_bytes / 2**20:.0f} MiB of weights at "
+                f"{self.copy_gb_s:.1f} GB/s copy bandwidth): {self.ratio:.2f}x the bound "
+                f"({self.ratio_read:.2f}x against {self.read_gb_s:.1f} GB/s pure read)")
+
+
+def unique_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every distinct parameter/buffer storage (tied weights count once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if key not in seen and t.is_floating_point():
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, device: torch.device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bandwidth(device: torch.device, mib: int = 256, reps: int = 5) -> tuple[float, float]:
+    """(copy GB/s counting read + write, read-only GB/s) over a `mib` MiB fp32 buffer."""
+    n = mib * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    t_copy = _median_time(lambda: dst.copy_(src), device, reps)
+    t_read = _median_time(lambda: src.sum(), device, reps)
+    nbytes = n * 4
+    return 2 * nbytes / t_copy / 1e9, nbytes / t_read / 1e9
+
+
+@torch.inference_mode()
+def decode_forward_s(target, context: int = 200, reps: int = 20) -> float:
+    """Median time of one one-token forward on top of `context` cached tokens."""
+    device = target.embed_tokens.weight.device
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randint(0, target.config.vocab_size, (1, context), generator=gen).to(device)
+    cache = target.new_cache(context + 8)
+    target(ctx, torch.arange(context, device=device), cache)
+    tok = ctx[:, -1:]
+    pos = torch.tensor([context], device=device)
+
+    def one() -> None:
+        cache.truncate(context)
+        target(tok, pos, cache)
+    return _median_time(one, device, reps)
+
+
+def measure(target, weight_bytes: int, context: int = 200, mib: int = 256) -> Roofline:
+    device = target.embed_tokens.weight.device
+    copy_bw, read_bw = bandwidth(device, mib)
+    fwd = decode_forward_s(target, context)
+    bound = weight_bytes / (copy_bw * 1e9)
+    return Roofline(weight_bytes, copy_bw, read_bw, fwd * 1e3, context, bound * 1e3,
+                    fwd / bound, fwd / (weight_bytes / (read_bw * 1e9)))

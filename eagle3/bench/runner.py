@@ -1,0 +1,254 @@
+"""Build every system on the same weights and prompts, warm them up, run them interleaved.
+
+Per prompt and temperature every system runs once; the system order rotates from prompt to prompt
+so that no system always runs first (or right after a given neighbour) on a shared machine.
+"""
+from __future__ import annotations
+
+import platform
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from ..errors import InputError
+from ..spec.tree import SpecParams
+from .memory import PeakMemory, rss_bytes
+from .stats import Record
+from .systems import GenParams, System, build_hf, build_ours
+from .workload import BenchPrompt, load_questions, make_prompts, select_questions, warmup_prompt
+
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    model: Optional[str] = None
+    draft: str = "default"
+    prompts: int = 80
+    max_new_tokens: int = 256
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    seed: int = 0
+    threads: int = 2
+    device: Optional[str] = None
+    chain_depth: int = 5
+    tree: SpecParams = SpecParams()
+    prompt_lookup: int = 10
+    systems: Optional[tuple[str, ...]] = None      # None = all available
+    ignore_eos: bool = False
+    max_model_len: int = 2048
+
+
+@dataclass
+class Setup:
+    systems: list[System]
+    skipped: list[tuple[str, str]]
+    prompts: list[BenchPrompt]
+    warm: BenchPrompt
+    stop_ids: tuple[int, ...]
+    depths: dict[str, int]                  # speculative system -> draft depth
+    target: object                          # our (packed) target, for the roofline
+    weight_bytes: int
+    load_rss_mb: dict[str, float] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- setup
+def resolve_draft(cfg: BenchConfig) -> tuple[Optional[str], Optional[str]]:
+    """(draft argument for load_engine, reason when there is none)."""
+    from ..api import default_draft_path
+    if cfg.draft in ("none", ""):
+        return None, "--draft none"
+    if cfg.draft == "default":
+        path = default_draft_path(cfg.model)
+        if path is None:
+            return None, "no shipped draft for this model yet; pass --draft PATH"
+        return str(path), None
+    return cfg.draft, None
+
+
+def spec_shapes(cfg: BenchConfig) -> dict[str, SpecParams]:
+    chain = SpecParams.chain(cfg.chain_depth)
+    t = cfg.tree
+    return {f"ours-chain{cfg.chain_depth}": chain,
+            f"ours-tree{t.top_k}x{t.depth}n{t.num_draft_tokens}": t}
+
+
+def wanted(cfg: BenchConfig, name: str) -> bool:
+    if cfg.systems is None:
+        return True
+    return any(name == s or (s.endswith("*") and name.startswith(s[:-1])) for s in cfg.systems)
+
+
+def context_len(cfg: BenchConfig, prompts: list[BenchPrompt]) -> int:
+    """Cache length for the longest prompt plus the budget (each engine preallocates it)."""
+    need = max(len(p.ids) for p in prompts) + max(cfg.max_new_tokens, WARMUP_TOKENS) + 8
+    if need > cfg.max_model_len:
+        raise InputError(f"the longest prompt needs {need} tokens of context; raise --max-model-len "
+                         f"(now {cfg.max_model_len}) or lower --max-new-tokens")
+    return need
+
+
+class Builder:
+    """Builds system groups, recording the RSS each group added and what was skipped."""
+
+    def __init__(self) -> None:
+        self.systems: list[System] = []
+        self.skipped: list[tuple[str, str]] = []
+        self.load_rss_mb: dict[str, float] = {}
+
+    def add(self, group: str, build: Callable[[], tuple[list, list]]) -> None:
+        before = rss_bytes()
+        systems, skipped = build()
+        self.systems += systems
+        self.skipped += skipped
+        if systems:
+            self.load_rss_mb[group] = (rss_bytes() - before) / 2**20
+
+
+def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
+    from ..api import load_engine
+    from ..models.packed import pack_for_inference
+    from ..runtime.loader import load_tokenizer, resolve_model
+    from .roofline import unique_weight_bytes
+    torch.set_num_threads(cfg.threads)
+    src = resolve_model(cfg.model)
+    draft_arg, no_draft = resolve_draft(cfg)
+    tokenizer = load_tokenizer(src.hf_dir)
+    prompts = make_prompts(tokenizer, select_questions(load_questions(), cfg.prompts), cfg.seed)
+    warm = warmup_prompt(tokenizer)
+    b = Builder()
+    before = rss_bytes()
+    engine = load_engine(cfg.model, draft_arg or "none", spec=cfg.tree, device=cfg.device,
+                         max_model_len=context_len(cfg, prompts + [warm]), pack=False)
+    b.load_rss_mb["ours"] = (rss_bytes() - before) / 2**20
+    weight_bytes = unique_weight_bytes(engine.target)
+    device = str(engine.target.embed_tokens.weight.device)
+    log(f"target {src.name} on {device}, draft: {draft_arg or no_draft}")
+    stop_ids = tuple(sorted(engine.eos_ids))
+    if not stop_ids:
+        raise InputError("the target has no eos token id; the bench needs one to stop generations")
+    if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
+        from .llamacpp import build_eagle3
+        b.add("llama.cpp-eagle3", lambda: build_eagle3(
+            engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
+            cfg.threads, cfg.max_model_len))
+    if engine.target.embed_tokens.weight.device.type == "cpu":
+        pack_for_inference(engine.target)
+        if engine.draft is not None:
+            pack_for_inference(engine.draft)
+    shapes = spec_shapes(cfg) if engine.draft is not None else {}
+    ours = build_ours(engine, shapes)
+    b.systems += [s for s in ours if wanted(cfg, s.name)]
+    b.skipped += [(n, no_draft) for n in spec_shapes(cfg) if engine.draft is None]
+    if any(wanted(cfg, n) for n in ("hf-generate", "hf-prompt-lookup")):
+        b.add("hf", lambda: build_hf(src.hf_dir, device, cfg.prompt_lookup))
+    if src.gguf is None:
+        b.skipped.append(("llama.cpp", f"{cfg.model} is not a GGUF target"))
+    elif any(wanted(cfg, n) for n in ("llama.cpp", "llama.cpp-prompt-lookup")):
+        from .llamacpp import build_binding
+        b.add("llama.cpp", lambda: build_binding(src.gguf, cfg.threads, cfg.max_model_len,
+                                                 cfg.prompt_lookup))
+    systems = [s for s in b.systems if wanted(cfg, s.name)]
+    depths = {name: spec.depth for name, spec in shapes.items()}
+    depths.update({s.name: cfg.chain_depth for s in systems if s.name == "llama.cpp-eagle3"})
+    return Setup(systems, b.skipped, prompts, warm, stop_ids, depths,
+                 engine.target, weight_bytes, b.load_rss_mb)
+
+
+# ---------------------------------------------------------------------------- run
+def gen_params(cfg: BenchConfig, setup: Setup, temp: float, prompt: BenchPrompt,
+               max_new_tokens: Optional[int] = None) -> GenParams:
+    return GenParams(temp, max_new_tokens or cfg.max_new_tokens, prompt.seed, setup.stop_ids,
+                     cfg.ignore_eos)
+
+
+def rotate(items: list, k: int) -> list:
+    k %= max(len(items), 1)
+    return items[k:] + items[:k]
+
+
+def record(system: System, prompt: BenchPrompt, temp: float, res) -> Record:
+    return Record(system.name, system.family, system.device, prompt.question_id, prompt.category,
+                  temp, len(prompt.ids), len(res.tokens), res.seconds, res.tau, res.accept_lens,
+                  res.draft_s, res.verify_s, res.other_s,
+                  res.tokens if system.family in ("ours", "hf") or system.name == "llama.cpp"
+                  else None, res.extra)
+
+
+class Failures:
+    """A peer that crashes is dropped with its error; our own systems are never caught."""
+
+    def __init__(self) -> None:
+        self.failed: dict[str, str] = {}
+
+    def call(self, system: System, fn: Callable):
+        if system.name in self.failed:
+            return None
+        if system.family == "ours":
+            return fn()
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001  peers: report and go on
+            self.failed[system.name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            return None
+
+
+def warmup(cfg: BenchConfig, setup: Setup, failures: Failures) -> None:
+    for system in setup.systems:
+        for temp in cfg.temperatures:
+            params = gen_params(cfg, setup, temp, setup.warm, WARMUP_TOKENS)
+            failures.call(system, lambda: system.warmup(setup.warm, params))
+
+
+def run(cfg: BenchConfig, setup: Setup, progress: bool = True) -> tuple[list[Record], PeakMemory,
+                                                                        dict[str, str]]:
+    from tqdm import tqdm
+    failures, peaks, records = Failures(), PeakMemory(), []
+    warmup(cfg, setup, failures)
+    total = len(setup.prompts) * len(cfg.temperatures) * len(setup.systems)
+    bar = tqdm(total=total, disable=not progress, unit="run", file=sys.stderr, dynamic_ncols=True)
+    for i, prompt in enumerate(setup.prompts):
+        for temp in cfg.temperatures:
+            for system in rotate(setup.systems, i):
+                bar.set_postfix_str(f"q{prompt.question_id} T={temp:g} {system.name}")
+                params = gen_params(cfg, setup, temp, prompt)
+                with peaks.track(system.name, lambda s=system: getattr(s, "pid", None),
+                                 system.device):
+                    res = failures.call(system, lambda: system.run(prompt, params))
+                if res is not None:
+                    records.append(record(system, prompt, temp, res))
+                bar.update(1)
+    bar.close()
+    return records, peaks, failures.failed
+
+
+def machine_info(device: str) -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(),
+            "torch": torch.__version__, "cpu": cpu_name(), "logical_cpus": _cpus(),
+            "torch_threads": torch.get_num_threads(), "device": device}
+    if device.startswith("cuda"):
+        info["gpu"] = torch.cuda.get_device_name()
+    for mod in ("transformers", "llama_cpp"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = None
+    return info
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _cpus() -> int:
+    import os
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+

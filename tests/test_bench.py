@@ -1,0 +1,239 @@
+"""The bench harness on a tiny random model: workload selection, interleaved runs, statistics,
+greedy identity, report files, --quick/--tune option logic, llama.cpp log parsing. No timing
+assertions (timings on a shared machine prove nothing)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3.bench import config_from, parse_args
+from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
+from eagle3.bench.report import identities, save_json, save_plots, summarize, table
+from eagle3.bench.roofline import measure, unique_weight_bytes
+from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run
+from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_divergence,
+                                greedy_identity, ratios)
+from eagle3.bench.systems import GenParams, HFSystem, OursSystem, build_ours, cut_at_stop
+from eagle3.bench.tune import parse_shapes, tune, tune_text
+from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
+from eagle3.generate import Engine
+from eagle3.spec.tree import SpecParams
+from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
+
+STOP = 2
+
+
+# ---------------------------------------------------------------------------- workload
+def test_mtbench_file_has_80_first_turns_in_8_categories():
+    qs = load_questions()
+    assert len(qs) == 80
+    assert len({q.category for q in qs}) == 8
+    assert all(q.text for q in qs)
+
+
+def test_selection_round_robins_over_categories():
+    qs = [Question(i, cat, f"{cat}{i}") for i, cat in enumerate(["math"] * 3 + ["coding"] * 2
+                                                                   + ["writing"])]
+    picked = select_questions(qs, 4)
+    assert [q.category for q in picked] == ["writing", "math", "coding", "math"]
+    assert len(select_questions(qs, 100)) == len(qs)
+    assert len({q.question_id for q in select_questions(qs, 100)}) == len(qs)
+
+
+# ---------------------------------------------------------------------------- statistics
+def rec(system, qid, tps, temp=0.0, tokens=None, accept=None):
+    n = 10
+    return Record(system, "ours", "cpu", qid, "x", temp, 5, n, n / tps, accept_lens=accept,
+                  tokens=tokens)
+
+
+def test_ratios_pair_prompts_and_temperatures():
+    records = [rec("a", 1, 20.0), rec("b", 1, 10.0), rec("a", 2, 30.0), rec("b", 2, 10.0),
+               rec("a", 1, 5.0, temp=1.0), rec("b", 1, 10.0, temp=1.0)]
+    assert ratios(records, "a", "b", 0.0) == pytest.approx([2.0, 3.0])
+    assert ratios(records, "a", "b", 1.0) == pytest.approx([0.5])
+    s = Spread.of([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert (s.median, s.lo, s.hi, s.n) == (3.0, 1.0, 100.0, 5)
+    assert s.p25 <= s.median <= s.p75
+
+
+def test_acceptance_per_position_pools_steps():
+    records = [rec("a", 1, 1.0, accept=[0, 2, 3]), rec("a", 2, 1.0, accept=[1])]
+    assert acceptance_per_position(records, 4) == pytest.approx([0.75, 0.5, 0.25, 0.0])
+
+
+def test_identity_reports_the_first_divergence():
+    assert first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert first_divergence([1, 2], [1, 2, 3]) == 2
+    records = [rec("ours-plain", 1, 1.0, tokens=[1, 2, 3]), rec("ours-x", 1, 1.0, tokens=[1, 2, 3]),
+               rec("ours-plain", 2, 1.0, tokens=[4, 5]), rec("ours-x", 2, 1.0, tokens=[4, 6])]
+    ident = greedy_identity(records, "ours-x", "ours-plain")
+    assert (ident.identical, ident.compared, ident.divergences) == (1, 2, ((2, 1),))
+
+
+def test_cut_at_stop_and_hf_sampling_arguments():
+    p = GenParams(0.0, 4, 0, (STOP,))
+    assert cut_at_stop([5, 6, STOP, 7], p) == [5, 6]
+    assert cut_at_stop([5, 6, 7, 8, 9], p) == [5, 6, 7, 8]
+    assert cut_at_stop([5, STOP, 7], GenParams(0.0, 4, 0, (STOP,), ignore_eos=True)) == [5, STOP, 7]
+    hf = HFSystem.__new__(HFSystem)
+    hf.prompt_lookup = 10
+    x = torch.ones(1, 3, dtype=torch.long)
+    kw = hf.kwargs(GenParams(1.0, 8, 0, (STOP,), ignore_eos=True), x)
+    assert (kw["do_sample"], kw["top_k"], kw["top_p"], kw["temperature"]) == (True, 0, 1.0, 1.0)
+    assert kw["min_new_tokens"] == 8 and kw["prompt_lookup_num_tokens"] == 10
+    assert "temperature" not in hf.kwargs(GenParams(0.0, 8, 0, (STOP,)), x)
+    s = sampler_kwargs(GenParams(1.0, 8, 0, (STOP,)))
+    assert (s["top_k"], s["top_p"], s["min_p"], s["repeat_penalty"]) == (0, 1.0, 0.0, 1.0)
+
+
+LOG = """
+encoded  215 tokens in    0.312 seconds, speed:  689.103 t/s
+decoded  130 tokens in    1.500 seconds, speed:   86.667 t/s
+
+n_draft   = 5
+n_predict = 130
+n_drafted = 200
+n_accept  = 80
+accept    = 40.000%
+"""
+
+
+def test_llama_speculative_simple_log_parsing():
+    out = SpecSimpleOutput.parse(LOG)
+    assert (out["prompt_tokens"], out["decoded"], out["n_accept"]) == (215, 130, 80)
+    assert out["encode_s"] == pytest.approx(0.312)
+    assert out.tau == pytest.approx(130 / 50)
+    with pytest.raises(RuntimeError):
+        SpecSimpleOutput.parse("no timings here")
+
+
+# ---------------------------------------------------------------------------- options
+def test_quick_and_tune_presets():
+    cfg = config_from(parse_args(["--quick", "--threads", "1"]))
+    assert (cfg.prompts, cfg.max_new_tokens, cfg.temperatures, cfg.threads) == (3, 32, (0.0, 1.0), 1)
+    cfg = config_from(parse_args(["--quick", "--prompts", "5", "--tree", "2,3,5"]))
+    assert cfg.prompts == 5 and cfg.tree == SpecParams(2, 3, 5)
+    cfg = config_from(parse_args([]))
+    assert (cfg.prompts, cfg.max_new_tokens) == (80, 256)
+    cfg = config_from(parse_args(["--tune"]))
+    assert cfg.systems == ("ours-*",) and cfg.temperatures == (0.0,)
+    assert parse_shapes("1,3,9;2,3,5") == (SpecParams.chain(3), SpecParams(2, 3, 5))
+
+
+# ---------------------------------------------------------------------------- harness
+def tiny_setup(systems, prompts) -> Setup:
+    warm = BenchPrompt(-1, "warmup", "w", (3, 4, 5), "w", 7)
+    depths = {s.name: s.spec.depth for s in systems if s.speculative}
+    return Setup(systems, [], prompts, warm, (STOP,), depths, systems[0].engine.target, 0)
+
+
+@pytest.fixture
+def harness(one_thread):  # noqa: F811
+    target = tiny_target(vocab=32)
+    engine = Engine(target, StubTokenizer(), draft=tiny_draft(target), spec=SpecParams(),
+                    max_model_len=64)
+    systems = build_ours(engine, {"ours-chain3": SpecParams.chain(3),
+                                  "ours-tree": SpecParams(3, 3, 6)})
+    gen = torch.Generator().manual_seed(0)
+    prompts = [BenchPrompt(10 + i, "cat", "t", tuple(torch.randint(3, 32, (6 + i,), generator=gen)
+                                                      .tolist()), "t", i) for i in range(3)]
+    cfg = BenchConfig(prompts=3, max_new_tokens=12, temperatures=(0.0, 1.0), threads=1)
+    return cfg, tiny_setup(systems, prompts)
+
+
+def test_harness_runs_every_system_and_greedy_is_identical(harness, tmp_path):
+    cfg, setup = harness
+    records, peaks, failed = run(cfg, setup, progress=False)
+    assert not failed
+    assert len(records) == 3 * 2 * 3
+    assert {r.system for r in records} == {"ours-plain", "ours-chain3", "ours-tree"}
+    assert all(r.new_tokens > 0 and r.seconds > 0 for r in records)
+    ids = {i.system: i for i in identities(records)}
+    for name in ("ours-chain3", "ours-tree"):
+        assert ids[name].identical == ids[name].compared == 3, ids[name]
+    spec = [r for r in records if r.system == "ours-tree"]
+    assert all(r.tau >= 1.0 and r.accept_lens is not None and r.draft_s > 0 for r in spec)
+    assert set(peaks.rss) == {"ours-plain", "ours-chain3", "ours-tree"}
+    rows = summarize(records, setup.depths, {"rss": peaks.rss})
+    assert len(rows) == 6
+    tree0 = next(r for r in rows if r.system == "ours-tree" and r.temperature == 0)
+    assert len(tree0.acceptance) == 3 and tree0.speedup["ours-plain"].n == 3
+    assert sum(tree0.split.values()) == pytest.approx(1.0, abs=0.05)
+    text = table(rows)
+    assert "ours-tree" in text and "x ours-plain" in text
+    save_json(tmp_path / "bench.json", {"m": 1}, rows, records, identities(records), {"x": None})
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert len(doc["records"]) == 18 and "tokens" not in doc["records"][0]
+    plots = save_plots(tmp_path, rows, records)
+    assert all(Path(p).stat().st_size > 1000 for p in plots)
+
+
+def test_sampled_runs_follow_the_prompt_seed(harness):
+    cfg, setup = harness
+    plain = setup.systems[0]
+    p = setup.prompts[0]
+    params = GenParams(1.0, 10, p.seed, (STOP,))
+    assert plain.run(p, params).tokens == plain.run(p, params).tokens
+
+
+def test_rotation_and_peer_failures_are_reported():
+    assert rotate([1, 2, 3], 4) == [2, 3, 1]
+
+    class Peer:
+        name, family = "peer", "llama.cpp"
+
+    class Ours:
+        name, family = "ours-x", "ours"
+
+    f = Failures()
+
+    def boom():
+        raise RuntimeError("binary crashed\nmore")
+    assert f.call(Peer(), boom) is None and f.failed == {"peer": "RuntimeError: binary crashed"}
+    assert f.call(Peer(), lambda: 1) is None        # a failed peer is not run again
+    with pytest.raises(RuntimeError):
+        f.call(Ours(), boom)
+
+
+def test_context_len_checks_the_budget():
+    prompts = [BenchPrompt(1, "c", "t", (1,) * 50, "t", 0)]
+    assert context_len(BenchConfig(max_new_tokens=20), prompts) >= 70
+    with pytest.raises(Exception, match="max-model-len"):
+        context_len(BenchConfig(max_new_tokens=20, max_model_len=60), prompts)
+
+
+def test_tune_ranks_shapes(harness):
+    cfg, setup = harness
+    rows = tune(cfg, setup, (SpecParams.chain(2), SpecParams(2, 3, 4)), progress=False)
+    assert len(rows) == 2 and rows[0].speedup >= rows[1].speedup
+    assert all(r.tau >= 1.0 for r in rows)
+    assert "best on this machine" in tune_text(rows)
+
+
+def test_roofline_counts_tied_weights_once(one_thread):  # noqa: F811
+    tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    tied[1].weight = tied[0].weight
+    assert unique_weight_bytes(tied) == 10 * 4 * 4
+    target = tiny_target()
+    roof = measure(target, unique_weight_bytes(target), context=8, mib=4)
+    assert roof.forward_ms > 0 and roof.bound_ms > 0
+    assert roof.ratio == pytest.approx(roof.forward_ms / roof.bound_ms)
+    assert "memory bound" in roof.text()
+
+
+@pytest.mark.real
+def test_bench_main_quick_on_the_real_model(tmp_path, capsys):
+    from eagle3.bench import bench_main
+    rc = bench_main(["--quick", "--prompts", "1", "--max-new-tokens", "4", "--draft", "none",
+                     "--systems", "ours-plain,hf-generate", "--temperatures", "0",
+                     "--no-plots", "--no-progress", "--no-roofline", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "ours-plain" in out and "hf-generate" in out
+    doc = json.loads((tmp_path / "bench.json").read_text())
+    assert {r["system"] for r in doc["records"]} == {"ours-plain", "hf-generate"}
