@@ -4,6 +4,7 @@ assertions (timings on a shared machine prove nothing)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_d
 from eagle3.bench.systems import GenParams, HFSystem, OursSystem, build_ours, cut_at_stop
 from eagle3.bench.tune import parse_shapes, tune, tune_text
 from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
+from eagle3.errors import InputError
 from eagle3.generate import Engine
 from eagle3.spec.tree import SpecParams
 from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
@@ -123,6 +125,9 @@ def test_quick_and_tune_presets():
     cfg = config_from(parse_args(["--tune"]))
     assert cfg.systems == ("ours-*",) and cfg.temperatures == (0.0,)
     assert parse_shapes("1,3,9;2,3,5") == (SpecParams.chain(3), SpecParams(2, 3, 5))
+    assert config_from(parse_args(["--clock", "cpu", "--threads", "1"])).clock == "cpu"
+    with pytest.raises(InputError, match="threads 1"):
+        config_from(parse_args(["--clock", "cpu", "--threads", "2"]))
 
 
 # ---------------------------------------------------------------------------- harness
@@ -144,6 +149,13 @@ def harness(one_thread):  # noqa: F811
                                                       .tolist()), "t", i) for i in range(3)]
     cfg = BenchConfig(prompts=3, max_new_tokens=12, temperatures=(0.0, 1.0), threads=1)
     return cfg, tiny_setup(systems, prompts)
+
+
+def test_cpu_clock_keeps_the_split_fractions(harness):
+    cfg, setup = harness
+    records, _, _ = run(replace(cfg, clock="cpu"), setup, progress=False)
+    tree = [r for r in records if r.system == "ours-tree"]
+    assert all(r.seconds > 0 and r.draft_s + r.verify_s <= r.seconds * 1.001 for r in tree)
 
 
 def test_harness_runs_every_system_and_greedy_is_identical(harness, tmp_path):

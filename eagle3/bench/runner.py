@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import platform
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -39,6 +40,14 @@ class BenchConfig:
     systems: Optional[tuple[str, ...]] = None      # None = all available
     ignore_eos: bool = False
     max_model_len: int = 2048
+    clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
+
+    def __post_init__(self):
+        if self.clock not in ("wall", "cpu"):
+            raise InputError(f"--clock must be wall or cpu, got {self.clock!r}")
+        if self.clock == "cpu" and self.threads != 1:
+            raise InputError(f"--clock cpu needs --threads 1 (got {self.threads}): with more threads "
+                             "CPU time counts every thread, spin-waits included")
 
 
 @dataclass
@@ -169,6 +178,18 @@ def rotate(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
+WALL_ONLY = ("llama.cpp-eagle3",)   # a child process: its own (wall) timers are kept
+
+
+def on_cpu_clock(res, cpu_s: float):
+    """Replace wall seconds by this process's CPU seconds; scale the split to keep its fractions."""
+    scale = cpu_s / res.seconds if res.seconds > 0 else 1.0
+    res.seconds = cpu_s
+    if res.draft_s is not None:
+        res.draft_s, res.verify_s = res.draft_s * scale, res.verify_s * scale
+    return res
+
+
 def record(system: System, prompt: BenchPrompt, temp: float, res) -> Record:
     return Record(system.name, system.family, system.device, prompt.question_id, prompt.category,
                   temp, len(prompt.ids), len(res.tokens), res.seconds, res.tau, res.accept_lens,
@@ -216,7 +237,10 @@ def run(cfg: BenchConfig, setup: Setup, progress: bool = True) -> tuple[list[Rec
                 params = gen_params(cfg, setup, temp, prompt)
                 with peaks.track(system.name, lambda s=system: getattr(s, "pid", None),
                                  system.device):
+                    cpu0 = time.process_time()
                     res = failures.call(system, lambda: system.run(prompt, params))
+                if res is not None and cfg.clock == "cpu" and system.name not in WALL_ONLY:
+                    res = on_cpu_clock(res, time.process_time() - cpu0)
                 if res is not None:
                     records.append(record(system, prompt, temp, res))
                 bar.update(1)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 from dataclasses import dataclass
 from typing import Optional
 
 from ..spec.tree import SpecParams
-from .runner import BenchConfig, Setup, gen_params, rotate
+from .runner import BenchConfig, Setup, gen_params, on_cpu_clock, rotate
 from .systems import OursSystem, build_ours
 
 DEFAULT_SHAPES = (SpecParams.chain(2), SpecParams.chain(3), SpecParams.chain(4), SpecParams.chain(5),
@@ -58,7 +59,11 @@ def tune(cfg: BenchConfig, setup: Setup, shapes: tuple[SpecParams, ...], progres
     bar = tqdm(total=len(setup.prompts) * len(systems), disable=not progress, file=sys.stderr)
     for i, prompt in enumerate(setup.prompts):
         for s in rotate(systems, i):
-            runs[s.name].append(s.run(prompt, gen_params(cfg, setup, 0.0, prompt)))
+            cpu0 = time.process_time()
+            res = s.run(prompt, gen_params(cfg, setup, 0.0, prompt))
+            if cfg.clock == "cpu":
+                res = on_cpu_clock(res, time.process_time() - cpu0)
+            runs[s.name].append(res)
             bar.update(1)
     bar.close()
     plain = runs["ours-plain"]
