@@ -229,3 +229,22 @@ def test_engine_monitor_sees_acceptance(target, reference):
     snap = engine.monitor.snapshot()
     assert snap["steps"] == len(result.decode_steps) and not snap["degraded"]
     assert snap["tau"] == pytest.approx(result.tau, rel=0.1)
+
+
+# ---------------------------------------------------------------------------- real model
+@pytest.mark.real
+def test_real_smollm2_random_draft_greedy_identical(real_model):
+    from eagle3.spec.draft import DraftConfig, Eagle3Draft
+    target, tok, _ = real_model
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.for_target(target.config)).eval()
+    draft.set_embedding(target.embed_tokens.weight)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    plain = Engine(target, tok, max_model_len=256)
+    ids = plain.encode("List three uses of copper.")
+    want = plain.generate(prompt_ids=ids, params=params).token_ids
+    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8)):
+        got = Engine(target, tok, draft=draft, spec=spec, max_model_len=256).generate(
+            prompt_ids=ids, params=params)
+        assert got.token_ids == want
+        assert all(s.proposed == spec.num_draft_tokens - 1 for s in got.decode_steps)
