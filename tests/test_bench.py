@@ -12,7 +12,8 @@ import torch
 
 from eagle3.bench import config_from, parse_args
 from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
-from eagle3.bench.report import identities, save_json, save_plots, summarize, table
+from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
+                                 tree_vs_chain_text)
 from eagle3.bench.roofline import measure, unique_weight_bytes
 from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run
 from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_divergence,
@@ -178,6 +179,7 @@ def test_harness_runs_every_system_and_greedy_is_identical(harness, tmp_path):
     assert sum(tree0.split.values()) == pytest.approx(1.0, abs=0.05)
     text = table(rows)
     assert "ours-tree" in text and "x ours-plain" in text
+    assert "T=0: tau" in tree_vs_chain_text(rows, records)
     save_json(tmp_path / "bench.json", {"m": 1}, rows, records, identities(records), {"x": None})
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert len(doc["records"]) == 18 and "tokens" not in doc["records"][0]

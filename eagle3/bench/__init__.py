@@ -22,7 +22,7 @@ from typing import Optional
 from ..errors import InputError
 from ..spec.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
-                     table, to_jsonable)
+                     table, to_jsonable, tree_vs_chain_text)
 from .runner import BenchConfig, build, machine_info, run
 from .stats import Record
 from .systems import GenParams, RunResult, System
@@ -114,7 +114,7 @@ def bench_main(argv: list[str]) -> int:
     rows = summarize(records, setup.depths, peak_dict)
     ids = identities(records)
     roof = None if args.no_roofline else measure_roofline(setup)
-    print_report(cfg, setup, rows, ids, failed, roof)
+    print_report(setup, rows, records, ids, failed, roof)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "eagle3 bench " + shlex.join(argv), "config": to_jsonable(cfg), "elapsed_s": time.time() - t0,
@@ -126,7 +126,12 @@ def bench_main(argv: list[str]) -> int:
     save_json(out / "bench.json", meta, rows, records, ids, extra)
     plots = [] if args.no_plots else save_plots(out, rows, records)
     log(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
-    return 0
+    broken = [i for i in ids if i.reference == "ours-plain" and i.system.startswith("ours-")
+              and i.identical != i.compared]
+    for i in broken:
+        print(f"MISMATCH: {i.system} greedy output differs from plain decoding on "
+              f"{i.compared - i.identical}/{i.compared} prompts")
+    return 1 if broken else 0
 
 
 def measure_roofline(setup):
@@ -134,11 +139,14 @@ def measure_roofline(setup):
     return measure(setup.target, setup.weight_bytes)
 
 
-def print_report(cfg: BenchConfig, setup, rows, ids, failed, roof) -> None:
+def print_report(setup, rows, records, ids, failed, roof) -> None:
     print(table(rows))
     print("tok/s: median over prompts [IQR], agg = all tokens / all seconds; x B: per-prompt "
           "tokens/s ratio to B at the same temperature, median [IQR]")
     text = acceptance_text(rows)
+    if text:
+        print(text)
+    text = tree_vs_chain_text(rows, records)
     if text:
         print(text)
     if ids:

@@ -119,6 +119,19 @@ def identity_text(ids: list[Identity]) -> str:
     return "\n".join(lines)
 
 
+def tree_vs_chain_text(rows: list[Row], records: list[Record]) -> str:
+    """What the tree buys over the chain with the same draft: tau and per-prompt tokens/s ratio."""
+    lines = []
+    for t in sorted({r.temperature for r in rows}):
+        chain = next((r for r in rows if r.temperature == t and r.system.startswith("ours-chain")), None)
+        tree = next((r for r in rows if r.temperature == t and r.system.startswith("ours-tree")), None)
+        if chain and tree:
+            ratio = Spread.of(ratios(records, tree.system, chain.system, t))
+            lines.append(f"  T={t:g}: tau {fmt(chain.tau)} -> {fmt(tree.tau)}, tokens/s x"
+                         f"{ratio.text() if ratio else '-'} ({tree.system} / {chain.system})")
+    return "tree vs chain (same draft):\n" + "\n".join(lines) if lines else ""
+
+
 # ---------------------------------------------------------------------------- files
 def to_jsonable(x):
     if hasattr(x, "__dataclass_fields__"):
