@@ -37,6 +37,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     seed: int = 0
     features: str = "cache"               # "cache" (safetensors shards) | "online"
+    autocast: str = "none"                # "bf16": matmuls in bfloat16 (fp32 master weights, fp32 loss)
     eval_fraction: float = 0.02
     eval_every: int = 200                 # steps
     checkpoint_every_s: float = 300.0

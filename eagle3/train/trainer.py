@@ -110,9 +110,9 @@ def train_step(model, opt, source: FeatureSource, global_batch: list[int], width
                cfg: TrainConfig, d: Dist) -> StepStats:
     """Forward + backward + clip + AdamW on this rank's share of one global batch."""
     part = rank_part(global_batch, d)
-    batch = source.batch(part, width)
     denom = float(len(global_batch) * width)
-    stats = model(batch, denom)
+    with autocast(cfg):
+        stats = model(source.batch(part, width), denom)
     opt.zero_grad(set_to_none=True)
     (stats.loss * d.world).backward()            # DDP averages gradients over ranks
     inner = model.module if hasattr(model, "module") else model
@@ -121,6 +121,12 @@ def train_step(model, opt, source: FeatureSource, global_batch: list[int], width
         g["lr"] = lr
     opt.step()
     return reduce_stats(stats, d)
+
+
+def autocast(cfg: TrainConfig):
+    if cfg.autocast not in ("none", "bf16"):
+        raise ValueError(f"autocast={cfg.autocast!r}: choose 'none' or 'bf16'")
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.autocast == "bf16")
 
 
 def reduce_stats(stats: StepStats, d: Dist) -> StepStats:
@@ -135,12 +141,14 @@ def reduce_stats(stats: StepStats, d: Dist) -> StepStats:
 
 # ---------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(model: TTTModel, source: FeatureSource, indices: Sequence[int], batch_size: int) -> dict:
+def evaluate(model: TTTModel, source: FeatureSource, indices: Sequence[int], batch_size: int,
+             cfg: Optional[TrainConfig] = None) -> dict:
     """Per-step accuracy on held-out conversations and the chain acceptance estimate."""
     correct = counted = 0
     for b in range(0, len(indices), batch_size):
         part = list(indices[b:b + batch_size])
-        stats = model(source.batch(part))
+        with autocast(cfg or TrainConfig()):
+            stats = model(source.batch(part))
         correct, counted = correct + stats.correct.double(), counted + stats.counted.double()
     acc = (correct / counted.clamp_min(1)).tolist() if len(indices) else []
     chain = [math.prod(acc[:k + 1]) for k in range(len(acc))]
@@ -190,7 +198,7 @@ def train_loop(run: Run, cfg: TrainConfig, state: TrainState, d: Dist,
                 bar.update(1)
                 bar.set_postfix(loss=f"{rec['loss']:.3f}", acc=",".join(f"{a:.2f}" for a in rec["acc"][:3]))
         if d.main and cfg.eval_every and (step % cfg.eval_every == 0 or step == stop) and run.eval_idx:
-            append_jsonl(run.log, {"step": step, "eval": evaluate(inner, run.source, run.eval_idx, cfg.batch_size)})
+            append_jsonl(run.log, {"step": step, "eval": evaluate(inner, run.source, run.eval_idx, cfg.batch_size, cfg)})
         if d.main and (time.time() - last_save >= cfg.checkpoint_every_s or step == stop):
             save_checkpoint(run.ckpt, checkpoint_dict(inner, run.opt, step, cursor, cfg, run))
             last_save = time.time()
