@@ -108,3 +108,12 @@ def test_chi_square_detects_a_lossy_rule():
                                               generator=torch.Generator().manual_seed(0)),
                             minlength=VOCAB)
     assert chi_square_p(counts, probs[0]) < 0.01
+
+
+def test_sample_rows_follows_the_weights_and_skips_zeros():
+    from eagle3.spec.verify import sample_rows
+    weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 6.0, 0.0], [5.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
+    draws = sample_rows(weights.repeat(3000, 1), torch.Generator().manual_seed(0)).view(3000, 2)
+    for row in range(2):
+        counts = torch.bincount(draws[:, row], minlength=6)
+        assert chi_square_p(counts, weights[row]) > 0.01      # zero-weight ids: asserted unseen
