@@ -30,14 +30,25 @@ class OracleDraft(Eagle3Draft):
     """Proposes seq[j+2] on a row at position j whose input is seq[j+1] (wrong when j % 3 == 0)."""
 
     def set_sequence(self, seq: list[int]) -> None:
-        self.seq = torch.tensor(seq + [0, 0])
+        """seq: target ids by position. A draft vocabulary (d2t) holding them is built when Vd < V."""
+        cfg = self.config
+        ids = torch.tensor(seq + [0, 0])
+        used = torch.unique(ids)
+        rest = torch.ones(cfg.vocab_size, dtype=torch.bool)
+        rest[used] = False
+        used = torch.cat([used, rest.nonzero().flatten()[:cfg.draft_vocab_size - used.numel()]])
+        used = used.sort().values
+        self.d2t.copy_(used - torch.arange(cfg.draft_vocab_size))
+        to_draft = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        to_draft[used] = torch.arange(cfg.draft_vocab_size)
+        self.seq, self.seq_draft = ids, to_draft[ids]
 
     def forward(self, input_ids, positions, cache, **kw) -> DraftOutput:
         rows = kw.pop("logits_rows", None)
         out = super().forward(input_ids, positions, cache, **kw)
         pos = (positions if positions.dim() == 2 else positions[None]).clamp(max=len(self.seq) - 3)
         on_track = (self.seq[pos + 1] == input_ids).float()[..., None]
-        right = self.seq[pos + 2][..., None]
+        right = self.seq_draft[pos + 2][..., None]
         logits = self.head(out.hidden) * 0.01
         logits.scatter_add_(-1, right, on_track * 10.0)
         wrong = (right + 1) % logits.shape[-1]
