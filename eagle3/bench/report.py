@@ -85,7 +85,7 @@ def fmt(x: Optional[float], spec: str = "{:.2f}") -> str:
 
 def table(rows: list[Row]) -> str:
     cols = [b for b in VS if any(b in r.speedup for r in rows)]
-    head = (f"{'system':<20} {'T':>3} {'n':>3} {'tok/s med [IQR]':>22} {'agg':>6} "
+    head = (f"{'system':<24} {'T':>3} {'n':>3} {'tok/s med [IQR]':>22} {'agg':>6} "
             + " ".join(f"{'x ' + b:>20}" for b in cols)
             + f" {'tau':>5} {'draft/verify/other':>18} {'RSS MB':>7}")
     lines = [head, "-" * len(head)]
@@ -93,7 +93,7 @@ def table(rows: list[Row]) -> str:
         sp = " ".join(f"{r.speedup[b].text() if r.speedup.get(b) else '-':>20}" for b in cols)
         split = "/".join(f"{100 * r.split[k]:.0f}" for k in ("draft", "verify", "other")) \
             if r.split else "-"
-        lines.append(f"{r.system:<20} {r.temperature:>3g} {r.prompts:>3} "
+        lines.append(f"{r.system:<24} {r.temperature:>3g} {r.prompts:>3} "
                      f"{r.tokens_per_s.text('{:.1f}'):>22} {r.aggregate_tokens_per_s:>6.1f} {sp} "
                      f"{fmt(r.tau):>5} {split + ' %' if r.split else '-':>18} "
                      f"{fmt(r.peak_rss_mb, '{:.0f}'):>7}")
@@ -114,8 +114,9 @@ def identity_text(ids: list[Identity]) -> str:
     lines = ["greedy outputs, token for token:"]
     for i in ids:
         div = ", ".join(f"q{q}@{at}" for q, at in i.divergences[:8])
+        note = "" if i.system.startswith("ours-") else "  [informational: other kernels]"
         lines.append(f"  {i.system:<20} vs {i.reference:<11} identical on {i.identical}/{i.compared}"
-                     + (f"  (first divergence: {div})" if div else ""))
+                     + (f"  (first divergence: {div})" if div else "") + note)
     return "\n".join(lines)
 
 
@@ -155,21 +156,29 @@ def save_plots(out_dir: Path, rows: list[Row], records: list[Record]) -> list[Pa
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from .stats import ratios
     paths = []
     temps = sorted({r.temperature for r in rows})
+    base = "hf-generate" if any(r.system == "hf-generate" for r in rows) else "ours-plain"
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
     for ax, t in zip(axes[0], temps):
-        names = [r.system for r in rows if r.temperature == t and r.system != "hf-generate"]
-        data = [ratios(records, s, "hf-generate", t) for s in names]
+        names = [r.system for r in rows if r.temperature == t and r.system != base]
+        data = [ratios(records, s, base, t) for s in names]
         keep = [(n, d) for n, d in zip(names, data) if d]
         if keep:
             ax.boxplot([d for _, d in keep], tick_labels=[n for n, _ in keep], vert=False)
         ax.axvline(1.0, color="grey", lw=0.8)
-        ax.set_title(f"tokens/s vs HF generate, per prompt (T={t:g})")
+        ax.set_title(f"tokens/s vs {base}, per prompt (T={t:g})")
         ax.set_xlabel("speedup")
     fig.tight_layout()
     paths.append(_save(fig, out_dir / "speedup.png"))
+    if any(r.acceptance for r in rows):
+        paths.append(_acceptance_plot(plt, rows, out_dir / "acceptance.png"))
+    if any(r.tau is not None for r in records):
+        paths.append(_tau_plot(plt, records, temps, out_dir / "tau_hist.png"))
+    return paths
+
+
+def _acceptance_plot(plt, rows: list[Row], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:
         if r.acceptance:
@@ -178,7 +187,10 @@ def save_plots(out_dir: Path, rows: list[Row], records: list[Record]) -> list[Pa
     ax.set(xlabel="draft position k", ylabel="share of steps accepting >= k", ylim=(0, 1),
            title="acceptance per draft position")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / "acceptance.png"))
+    return _save(fig, path)
+
+
+def _tau_plot(plt, records: list[Record], temps: list[float], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
     for name in dict.fromkeys(r.system for r in records if r.tau is not None):
         for t in temps:
@@ -188,8 +200,7 @@ def save_plots(out_dir: Path, rows: list[Row], records: list[Record]) -> list[Pa
     ax.set(xlabel="tau (tokens per target forward, per prompt)", ylabel="prompts",
            title="tau per prompt")
     ax.legend(fontsize=8)
-    paths.append(_save(fig, out_dir / "tau_hist.png"))
-    return paths
+    return _save(fig, path)
 
 
 def _save(fig, path: Path) -> Path:
