@@ -165,7 +165,7 @@ def save_plots(out_dir: Path, rows: list[Row], records: list[Record]) -> list[Pa
         data = [ratios(records, s, base, t) for s in names]
         keep = [(n, d) for n, d in zip(names, data) if d]
         if keep:
-            ax.boxplot([d for _, d in keep], tick_labels=[n for n, _ in keep], vert=False)
+            _hbox(ax, [d for _, d in keep], [n for n, _ in keep])
         ax.axvline(1.0, color="grey", lw=0.8)
         ax.set_title(f"tokens/s vs {base}, per prompt (T={t:g})")
         ax.set_xlabel("speedup")
@@ -176,6 +176,13 @@ def save_plots(out_dir: Path, rows: list[Row], records: list[Record]) -> list[Pa
     if any(r.tau is not None for r in records):
         paths.append(_tau_plot(plt, records, temps, out_dir / "tau_hist.png"))
     return paths
+
+
+def _hbox(ax, data: list[list[float]], labels: list[str]) -> None:
+    try:
+        ax.boxplot(data, tick_labels=labels, orientation="horizontal")   # matplotlib >= 3.10
+    except TypeError:
+        ax.boxplot(data, labels=labels, vert=False)
 
 
 def _acceptance_plot(plt, rows: list[Row], path: Path) -> Path:
