@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from ..errors import ContractError, InputError, LoadError, UnsupportedError
-from ..models.config import RopeConfig
+from ..models.config import RopeConfig, check_capture_ids
 from ..models.llama import ForwardOutput
+from ..runtime.kv_cache import check_room
 
 # attribute names of a decoder stack: (layer list, token embedding)
 LAYER_ATTRS = ("layers", "h")
@@ -115,10 +116,7 @@ class HFCache:
         self.length = 0
 
     def check_room(self, num_new: int) -> None:
-        if self.length + num_new > self.max_len:
-            raise InputError(
-                f"KV cache overflow: {self.length} cached + {num_new} new tokens > max_len "
-                f"{self.max_len}. Shorten the prompt or max_new_tokens, or raise --max-model-len.")
+        check_room(self.length, num_new, self.max_len)
 
     def advance(self, num_new: int) -> None:
         self.check_room(num_new)
@@ -318,15 +316,7 @@ class HFTarget(nn.Module):
         return HFCache(DynamicCache(config=self.text_config), max_len, batch)
 
     def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
-        n = self.config.num_layers
-        ids = list(capture_ids)
-        if any(not 0 <= i < n for i in ids):
-            raise ContractError("aux_layer_ids", ids, f"ids in [0, {n - 1}]",
-                                f"this target has {n} layers; ids use the 'input to layer i' "
-                                f"convention (default {list(self.config.default_aux_layer_ids)})")
-        if len(set(ids)) != len(ids) or ids != sorted(ids):
-            raise ContractError("aux_layer_ids", ids, "distinct ids in ascending order",
-                                "list each captured layer once, low to high")
+        check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..errors import UnsupportedError
+from ..errors import ContractError, UnsupportedError
 
 # architectures[0] -> family flags. One model class serves them all (see models/llama.py).
 ARCHITECTURES: dict[str, dict[str, Any]] = {
@@ -113,3 +113,15 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def check_capture_ids(capture_ids, num_layers: int, default_ids) -> None:
+    """Capture ids ("input to layer i") must be in [0, num_layers), distinct and ascending."""
+    ids = list(capture_ids)
+    if any(not 0 <= i < num_layers for i in ids):
+        raise ContractError("aux_layer_ids", ids, f"ids in [0, {num_layers - 1}]",
+                            f"this target has {num_layers} layers; ids use the 'input to layer i' "
+                            f"convention (default {list(default_ids)})")
+    if len(set(ids)) != len(ids) or ids != sorted(ids):
+        raise ContractError("aux_layer_ids", ids, "distinct ids in ascending order",
+                            "list each captured layer once, low to high")

@@ -12,9 +12,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import ContractError
 from ..runtime.kv_cache import KVCache
-from .config import ModelConfig
+from .config import ModelConfig, check_capture_ids
 from .layers import MLP, Attention, RMSNorm, Rotary, causal_block_mask
 
 
@@ -60,15 +59,7 @@ class LlamaModel(nn.Module):
                        max_len, batch, p.dtype, p.device)
 
     def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
-        n = self.config.num_layers
-        ids = list(capture_ids)
-        if any(not 0 <= i < n for i in ids):
-            raise ContractError("aux_layer_ids", ids, f"ids in [0, {n - 1}]",
-                                f"this target has {n} layers; ids use the 'input to layer i' "
-                                f"convention (default {list(self.config.default_aux_layer_ids)})")
-        if len(set(ids)) != len(ids) or ids != sorted(ids):
-            raise ContractError("aux_layer_ids", ids, "distinct ids in ascending order",
-                                "list each captured layer once, low to high")
+        check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()

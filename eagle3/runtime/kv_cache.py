@@ -12,6 +12,14 @@ import torch
 from ..errors import InputError
 
 
+def check_room(length: int, num_new: int, max_len: int) -> None:
+    """Raise InputError when `num_new` more tokens do not fit after `length` cached ones."""
+    if length + num_new > max_len:
+        raise InputError(
+            f"KV cache overflow: {length} cached + {num_new} new tokens > max_len "
+            f"{max_len}. Shorten the prompt or max_new_tokens, or raise --max-model-len.")
+
+
 class KVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                  batch: int = 1, dtype: torch.dtype = torch.float32,
@@ -30,10 +38,7 @@ class KVCache:
         return self.k[i], self.v[i]
 
     def check_room(self, num_new: int) -> None:
-        if self.length + num_new > self.max_len:
-            raise InputError(
-                f"KV cache overflow: {self.length} cached + {num_new} new tokens > max_len "
-                f"{self.max_len}. Shorten the prompt or max_new_tokens, or raise --max-model-len.")
+        check_room(self.length, num_new, self.max_len)
 
     def advance(self, num_new: int) -> None:
         self.check_room(num_new)
