@@ -26,7 +26,7 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 from torch import nn
 
-from ..errors import ContractError, InputError, LoadError, UnsupportedError
+from ..errors import ContractError, LoadError, UnsupportedError
 from ..models.config import RopeConfig, check_capture_ids
 from ..models.llama import ForwardOutput
 from ..runtime.kv_cache import check_room

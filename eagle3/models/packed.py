@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 PACK_ROWS_HINT = 8

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..errors import ContractError
