@@ -52,12 +52,24 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     probs = torch.softmax(x, dim=-1)
     if params.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        before = torch.cumsum(sorted_p, dim=-1) - sorted_p     # mass strictly before each token
-        sorted_p = sorted_p.masked_fill(before >= params.top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = top_p_filter(probs, params.top_p)
     return probs
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float, head: int = 256) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p; renormalise.
+
+    Sorting the full vocabulary costs ~4 ms a row here; the nucleus almost always lies within the
+    `head` largest probabilities, so those are sorted first and the full sort is the exact fallback.
+    """
+    k = min(head, probs.shape[-1])
+    sorted_p, order = torch.topk(probs, k, dim=-1)             # descending
+    if k < probs.shape[-1] and bool((sorted_p.sum(-1) < top_p).any()):
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    before = torch.cumsum(sorted_p, dim=-1) - sorted_p         # mass strictly before each token
+    sorted_p = sorted_p.masked_fill(before >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter(-1, order, sorted_p)
+    return out / out.sum(dim=-1, keepdim=True)
 
 
 def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> torch.Tensor:
