@@ -73,6 +73,22 @@ def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle
     return draft
 
 
+@torch.no_grad()
+def rescale_fc(draft: Eagle3Draft, source: FeatureSource, indices: Sequence[int], rms: float) -> float:
+    """Scale the initial fc so fc(aux) has median per-token RMS `rms` on these samples; returns the factor.
+
+    Targets carry massive activations (SmolLM2: aux norms ~100-600, 25k on the first token), so a
+    default-initialised fc makes fc(aux) dwarf the attention and MLP outputs that carry the token
+    embedding, and the draft learns slowly. The factor is computed on the first samples (deterministic).
+    """
+    aux = source.batch(list(indices)).aux
+    valid = aux.abs().sum(-1) > 0
+    out = draft.fc(aux[valid])
+    factor = rms / float(out.pow(2).mean(-1).sqrt().median())
+    draft.fc.weight.mul_(factor)
+    return factor
+
+
 def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], cfg: TrainConfig,
                    d: Dist) -> FeatureSource:
     if cfg.features == "online":
@@ -93,8 +109,10 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
     prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None)
     draft = make_draft(target, cfg, prep.vocab)
     model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay))
-    wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
     source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d)
+    if cfg.fc_init_rms:
+        rescale_fc(draft, source, prep.train_idx[:cfg.batch_size], cfg.fc_init_rms)
+    wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
     ckpt_dir = out or cfg.out_dir
     run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],
               prep.train_idx, prep.eval_idx, ckpt_dir / "checkpoint.pt", ckpt_dir / "train_log.jsonl")
