@@ -12,6 +12,7 @@ decode-forward-vs-memory-bound ratio; writes bench.json and PNG plots to --out.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 import time
@@ -75,7 +76,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
-    import os
     preset = TUNE if args.tune else QUICK if args.quick else {}
     temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
@@ -108,6 +108,7 @@ def bench_main(argv: list[str]) -> int:
     log(f"{len(setup.prompts)} prompts x {len(cfg.temperatures)} temperatures x "
         f"{len(setup.systems)} systems ({', '.join(s.name for s in setup.systems)}), "
         f"{cfg.max_new_tokens} new tokens, {cfg.threads} threads")
+    load_before = busy_warning(cfg.threads)
     t0 = time.time()
     records, peaks, failed = run(cfg, setup, progress=not args.no_progress)
     peak_dict = {"rss": peaks.rss, "child_rss": peaks.child_rss, "gpu": peaks.gpu}
@@ -119,6 +120,7 @@ def bench_main(argv: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"command": "eagle3 bench " + shlex.join(argv), "config": to_jsonable(cfg), "elapsed_s": time.time() - t0,
             "machine": machine_info(setup.systems[0].device), "date": time.strftime("%Y-%m-%d %H:%M"),
+            "load_avg_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "workload": f"MT-bench first turns, {len(setup.prompts)} prompts, chat template, "
                         f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}"}
     extra = {"skipped": setup.skipped, "failed": failed, "load_rss_mb": setup.load_rss_mb,
@@ -132,6 +134,18 @@ def bench_main(argv: list[str]) -> int:
         print(f"MISMATCH: {i.system} greedy output differs from plain decoding on "
               f"{i.compared - i.identical}/{i.compared} prompts")
     return 1 if broken else 0
+
+
+def busy_warning(threads: int) -> float:
+    """Warn when other jobs hold the CPUs: figures get noisy, and llama.cpp's spinning thread
+    pool slows down sharply when it has more threads than there are free cores."""
+    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(
+        os, "sched_getaffinity") else os.cpu_count() or 1
+    if load > 0.5 * cores:
+        log(f"WARNING: load average {load:.1f} on {cores} cores: other jobs are running; figures "
+            f"will be noisy" + (f" and --threads {threads} > free cores penalises llama.cpp most "
+                                f"(try --threads 1)" if threads > 1 else ""))
+    return load
 
 
 def measure_roofline(setup):
