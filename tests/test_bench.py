@@ -14,12 +14,12 @@ from eagle3.bench import config_from, parse_args
 from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
 from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
                                  tree_vs_chain_text)
-from eagle3.bench.roofline import measure, unique_weight_bytes
+from eagle3.bench.roofline import measure, unique_weight_bytes, verify_costs
 from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run
 from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_divergence,
                                 greedy_identity, ratios)
 from eagle3.bench.systems import GenParams, HFSystem, OursSystem, build_ours, cut_at_stop
-from eagle3.bench.tune import parse_shapes, tune, tune_text
+from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
 from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
 from eagle3.errors import InputError
 from eagle3.generate import Engine
@@ -238,6 +238,9 @@ def test_roofline_counts_tied_weights_once(one_thread):  # noqa: F811
     assert roof.forward_ms > 0 and roof.bound_ms > 0
     assert roof.ratio == pytest.approx(roof.forward_ms / roof.bound_ms)
     assert "memory bound" in roof.text()
+    costs = verify_costs(target, (1, 4), context=8, reps=2)
+    assert set(costs) == {1, 4} and all(ms > 0 for ms in costs.values())
+    assert "4: " in costs_text(costs)
 
 
 @pytest.mark.real

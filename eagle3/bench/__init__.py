@@ -12,6 +12,7 @@ decode-forward-vs-memory-bound ratio; writes bench.json and PNG plots to --out.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import sys
@@ -174,16 +175,20 @@ def print_report(setup, rows, records, ids, failed, roof) -> None:
 
 
 def tune_main(args: argparse.Namespace, cfg: BenchConfig, setup) -> int:
-    from .tune import parse_shapes, tune, tune_text
+    from .roofline import verify_costs
+    from .tune import costs_text, parse_shapes, tune, tune_text
     if not any(getattr(s, "speculative", False) for s in setup.systems):
         raise InputError("--tune needs a draft: " + "; ".join(r for _, r in setup.skipped))
-    log(f"tuning {len(parse_shapes(args.tune_shapes))} shapes on {len(setup.prompts)} prompts, "
-        f"{cfg.max_new_tokens} tokens, greedy")
-    rows = tune(cfg, setup, parse_shapes(args.tune_shapes), progress=not args.no_progress)
+    shapes = parse_shapes(args.tune_shapes)
+    log(f"tuning {len(shapes)} shapes on {len(setup.prompts)} prompts, {cfg.max_new_tokens} "
+        "tokens, greedy")
+    costs = verify_costs(setup.target)
+    print(costs_text(costs))
+    rows = tune(cfg, setup, shapes, progress=not args.no_progress)
     print(tune_text(rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    import json
-    (out / "tune.json").write_text(json.dumps({"config": to_jsonable(cfg), "rows": [
-        {**to_jsonable(r), "label": r.label} for r in rows]}, indent=1) + "\n")
+    doc = {"config": to_jsonable(cfg), "verify_ms": costs,
+           "rows": [{**to_jsonable(r), "label": r.label} for r in rows]}
+    (out / "tune.json").write_text(json.dumps(doc, indent=1) + "\n")
     return 0

@@ -72,20 +72,27 @@ def bandwidth(device: torch.device, mib: int = 256, reps: int = 5) -> tuple[floa
 
 
 @torch.inference_mode()
-def decode_forward_s(target, context: int = 200, reps: int = 20) -> float:
-    """Median time of one one-token forward on top of `context` cached tokens."""
+def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1) -> float:
+    """Median time of one forward of `tokens` new tokens on top of `context` cached tokens
+    (tokens > 1: the cost of verifying a tree of that size, causal mask)."""
     device = target.embed_tokens.weight.device
     gen = torch.Generator().manual_seed(0)
-    ctx = torch.randint(0, target.config.vocab_size, (1, context), generator=gen).to(device)
-    cache = target.new_cache(context + 8)
-    target(ctx, torch.arange(context, device=device), cache)
-    tok = ctx[:, -1:]
-    pos = torch.tensor([context], device=device)
+    ctx = torch.randint(0, target.config.vocab_size, (1, context + tokens), generator=gen).to(device)
+    cache = target.new_cache(context + tokens + 8)
+    target(ctx[:, :context], torch.arange(context, device=device), cache)
+    new = ctx[:, context:]
+    pos = torch.arange(context, context + tokens, device=device)
 
     def one() -> None:
         cache.truncate(context)
-        target(tok, pos, cache)
+        target(new, pos, cache)
     return _median_time(one, device, reps)
+
+
+def verify_costs(target, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16), context: int = 200,
+                 reps: int = 10) -> dict[int, float]:
+    """Forward time (ms) per number of verified tokens: what a bigger tree costs on this device."""
+    return {n: 1e3 * decode_forward_s(target, context, reps, n) for n in sizes}
 
 
 def measure(target, weight_bytes: int, context: int = 200, mib: int = 256) -> Roofline:

@@ -79,6 +79,12 @@ def row(spec: SpecParams, runs: list, plain: list) -> TuneRow:
                    1 + sum(lens) / steps, 1e3 * sum(r.seconds for r in runs) / steps)
 
 
+def costs_text(costs: dict[int, float]) -> str:
+    one = costs[min(costs)]
+    cells = "  ".join(f"{n}: {ms:.1f} ({ms / one:.2f}x)" for n, ms in costs.items())
+    return f"target forward ms by verified tokens (x one token): {cells}"
+
+
 def tune_text(rows: list[TuneRow]) -> str:
     lines = [f"{'shape':<34} {'tok/s':>7} {'x plain':>8} {'tau':>5} {'ms/step':>8}"]
     lines += [f"{r.label:<34} {r.tokens_per_s:>7.1f} {r.speedup:>8.2f} {r.tau:>5.2f} "
