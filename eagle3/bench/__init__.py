@@ -115,7 +115,7 @@ def bench_main(argv: list[str]) -> int:
     peak_dict = {"rss": peaks.rss, "child_rss": peaks.child_rss, "gpu": peaks.gpu}
     rows = summarize(records, setup.depths, peak_dict)
     ids = identities(records)
-    roof = None if args.no_roofline else measure_roofline(setup)
+    roof = None if args.no_roofline else measure_roofline(setup, cfg)
     print_report(setup, rows, records, ids, failed, roof)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -149,9 +149,13 @@ def busy_warning(threads: int) -> float:
     return load
 
 
-def measure_roofline(setup):
+def clock_of(cfg: BenchConfig):
+    return time.process_time if cfg.clock == "cpu" else time.perf_counter
+
+
+def measure_roofline(setup, cfg: BenchConfig):
     from .roofline import measure
-    return measure(setup.target, setup.weight_bytes)
+    return measure(setup.target, setup.weight_bytes, clock=clock_of(cfg))
 
 
 def print_report(setup, rows, records, ids, failed, roof) -> None:
@@ -182,7 +186,7 @@ def tune_main(args: argparse.Namespace, cfg: BenchConfig, setup) -> int:
     shapes = parse_shapes(args.tune_shapes)
     log(f"tuning {len(shapes)} shapes on {len(setup.prompts)} prompts, {cfg.max_new_tokens} "
         "tokens, greedy")
-    costs = verify_costs(setup.target)
+    costs = verify_costs(setup.target, clock=clock_of(cfg))
     print(costs_text(costs))
     rows = tune(cfg, setup, shapes, progress=not args.no_progress)
     print(tune_text(rows))

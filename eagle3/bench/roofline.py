@@ -48,31 +48,33 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn, device: torch.device, reps: int) -> float:
+def _median_time(fn, device: torch.device, reps: int, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(reps):
         _sync(device)
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
         _sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
 
 
-def bandwidth(device: torch.device, mib: int = 256, reps: int = 5) -> tuple[float, float]:
+def bandwidth(device: torch.device, mib: int = 256, reps: int = 5,
+              clock=time.perf_counter) -> tuple[float, float]:
     """(copy GB/s counting read + write, read-only GB/s) over a `mib` MiB fp32 buffer."""
     n = mib * 2**20 // 4
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
-    t_copy = _median_time(lambda: dst.copy_(src), device, reps)
-    t_read = _median_time(lambda: src.sum(), device, reps)
+    t_copy = _median_time(lambda: dst.copy_(src), device, reps, clock)
+    t_read = _median_time(lambda: src.sum(), device, reps, clock)
     nbytes = n * 4
     return 2 * nbytes / t_copy / 1e9, nbytes / t_read / 1e9
 
 
 @torch.inference_mode()
-def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1) -> float:
+def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1,
+                     clock=time.perf_counter) -> float:
     """Median time of one forward of `tokens` new tokens on top of `context` cached tokens
     (tokens > 1: the cost of verifying a tree of that size, causal mask)."""
     device = target.embed_tokens.weight.device
@@ -86,19 +88,20 @@ def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1
     def one() -> None:
         cache.truncate(context)
         target(new, pos, cache)
-    return _median_time(one, device, reps)
+    return _median_time(one, device, reps, clock)
 
 
 def verify_costs(target, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16), context: int = 200,
-                 reps: int = 10) -> dict[int, float]:
+                 reps: int = 10, clock=time.perf_counter) -> dict[int, float]:
     """Forward time (ms) per number of verified tokens: what a bigger tree costs on this device."""
-    return {n: 1e3 * decode_forward_s(target, context, reps, n) for n in sizes}
+    return {n: 1e3 * decode_forward_s(target, context, reps, n, clock) for n in sizes}
 
 
-def measure(target, weight_bytes: int, context: int = 200, mib: int = 256) -> Roofline:
+def measure(target, weight_bytes: int, context: int = 200, mib: int = 256,
+            clock=time.perf_counter) -> Roofline:
     device = target.embed_tokens.weight.device
-    copy_bw, read_bw = bandwidth(device, mib)
-    fwd = decode_forward_s(target, context)
+    copy_bw, read_bw = bandwidth(device, mib, clock=clock)
+    fwd = decode_forward_s(target, context, clock=clock)
     bound = weight_bytes / (copy_bw * 1e9)
     return Roofline(weight_bytes, copy_bw, read_bw, fwd * 1e3, context, bound * 1e3,
                     fwd / bound, fwd / (weight_bytes / (read_bw * 1e9)))
