@@ -172,8 +172,8 @@ def test_harness_runs_every_system_and_greedy_is_identical(harness, tmp_path):
     spec = [r for r in records if r.system == "ours-tree"]
     assert all(r.tau >= 1.0 and r.accept_lens is not None and r.draft_s > 0 for r in spec)
     assert set(peaks.rss) == {"ours-plain", "ours-chain3", "ours-tree"}
-    rows = summarize(records, setup.depths, {"rss": peaks.rss})
-    assert len(rows) == 6
+    rows = summarize(records, setup.depths, {"rss": peaks.rss, "load_mb": {"ours": 100.0}})
+    assert len(rows) == 6 and all(r.own_mb == pytest.approx(100.0) for r in rows)
     tree0 = next(r for r in rows if r.system == "ours-tree" and r.temperature == 0)
     assert len(tree0.acceptance) == 3 and tree0.speedup["ours-plain"].n == 3
     assert sum(tree0.split.values()) == pytest.approx(1.0, abs=0.05)

@@ -112,7 +112,8 @@ def bench_main(argv: list[str]) -> int:
     load_before = busy_warning(cfg.threads)
     t0 = time.time()
     records, peaks, failed = run(cfg, setup, progress=not args.no_progress)
-    peak_dict = {"rss": peaks.rss, "child_rss": peaks.child_rss, "gpu": peaks.gpu}
+    peak_dict = {"rss": peaks.rss, "child_rss": peaks.child_rss, "gpu": peaks.gpu,
+                 "load_mb": setup.load_rss_mb}
     rows = summarize(records, setup.depths, peak_dict)
     ids = identities(records)
     roof = None if args.no_roofline else measure_roofline(setup, cfg)
@@ -124,7 +125,7 @@ def bench_main(argv: list[str]) -> int:
             "load_avg_1min": {"before": load_before, "after": os.getloadavg()[0]},
             "workload": f"MT-bench first turns, {len(setup.prompts)} prompts, chat template, "
                         f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}"}
-    extra = {"skipped": setup.skipped, "failed": failed, "load_rss_mb": setup.load_rss_mb,
+    extra = {"skipped": setup.skipped, "failed": failed,
              "peaks_bytes": peak_dict, "roofline": roof}
     save_json(out / "bench.json", meta, rows, records, ids, extra)
     plots = [] if args.no_plots else save_plots(out, rows, records)

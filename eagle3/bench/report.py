@@ -10,6 +10,7 @@ from .stats import (Identity, Record, Spread, acceptance_per_position, greedy_id
                     tau_pooled)
 
 VS = ("hf-generate", "ours-plain", "llama.cpp", "llama.cpp-eagle3")   # ratio columns, if present
+CHILD_PROCESS = ("llama.cpp-eagle3",)                                 # runs outside this process
 
 
 @dataclass(frozen=True)
@@ -24,8 +25,9 @@ class Row:
     tau: Optional[float]
     acceptance: Optional[list[float]]          # per draft position (ours)
     split: Optional[dict[str, float]]          # fractions of wall time: draft / verify / other
-    peak_rss_mb: Optional[float]
-    peak_gpu_mb: Optional[float]
+    peak_rss_mb: Optional[float]               # process (or child process) peak during its runs
+    own_mb: Optional[float]                    # what the system added: its group's load delta,
+    peak_gpu_mb: Optional[float]               # or the whole child process for the EAGLE-3 binary
 
 
 def time_split(recs: list[Record]) -> Optional[dict[str, float]]:
@@ -52,13 +54,16 @@ def make_row(records: list[Record], system: str, temp: float, depth: Optional[in
     speedup = {b: Spread.of(ratios(records, system, b, temp)) for b in VS
                if b in present and b != system}
     secs = sum(r.seconds for r in recs)
-    rss = peaks.get("rss", {}).get(system) or peaks.get("child_rss", {}).get(system)
+    child = peaks.get("child_rss", {}).get(system)
+    rss = child or peaks.get("rss", {}).get(system)
+    load_mb = peaks.get("load_mb", {}).get(recs[0].family)
+    own = child if system in CHILD_PROCESS else load_mb * 2**20 if load_mb else None
     gpu = peaks.get("gpu", {}).get(system)
     return Row(system, temp, recs[0].device, len(recs), Spread.of([r.tokens_per_s for r in recs]),
                sum(r.new_tokens for r in recs) / secs if secs else 0.0, speedup, tau_of(recs),
                acceptance_per_position(recs, depth) if depth and recs[0].accept_lens is not None
                else None, time_split(recs), rss / 2**20 if rss else None,
-               gpu / 2**20 if gpu else None)
+               own / 2**20 if own else None, gpu / 2**20 if gpu else None)
 
 
 def summarize(records: list[Record], depths: dict[str, int], peaks: dict) -> list[Row]:
@@ -87,7 +92,7 @@ def table(rows: list[Row]) -> str:
     cols = [b for b in VS if any(b in r.speedup for r in rows)]
     head = (f"{'system':<24} {'T':>3} {'n':>3} {'tok/s med [IQR]':>22} {'agg':>6} "
             + " ".join(f"{'x ' + b:>20}" for b in cols)
-            + f" {'tau':>5} {'draft/verify/other':>18} {'RSS MB':>7}")
+            + f" {'tau':>5} {'draft/verify/other':>18} {'peak MB':>7} {'own MB':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         sp = " ".join(f"{r.speedup[b].text() if r.speedup.get(b) else '-':>20}" for b in cols)
@@ -96,7 +101,7 @@ def table(rows: list[Row]) -> str:
         lines.append(f"{r.system:<24} {r.temperature:>3g} {r.prompts:>3} "
                      f"{r.tokens_per_s.text('{:.1f}'):>22} {r.aggregate_tokens_per_s:>6.1f} {sp} "
                      f"{fmt(r.tau):>5} {split + ' %' if r.split else '-':>18} "
-                     f"{fmt(r.peak_rss_mb, '{:.0f}'):>7}")
+                     f"{fmt(r.peak_rss_mb, '{:.0f}'):>7} {fmt(r.own_mb, '{:.0f}'):>6}")
     return "\n".join(lines)
 
 
