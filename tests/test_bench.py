@@ -18,7 +18,7 @@ from eagle3.bench.roofline import measure, unique_weight_bytes, verify_costs
 from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run
 from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_divergence,
                                 greedy_identity, ratios)
-from eagle3.bench.systems import GenParams, HFSystem, OursSystem, build_ours, cut_at_stop
+from eagle3.bench.systems import GenParams, HFSystem, build_ours, cut_at_stop
 from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
 from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
 from eagle3.errors import InputError

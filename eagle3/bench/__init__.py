@@ -17,9 +17,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
-from typing import Optional
 
 from ..errors import InputError
 from ..spec.tree import SpecParams
@@ -120,11 +118,7 @@ def bench_main(argv: list[str]) -> int:
     print_report(setup, rows, records, ids, failed, roof)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"command": "eagle3 bench " + shlex.join(argv), "config": to_jsonable(cfg), "elapsed_s": time.time() - t0,
-            "machine": machine_info(setup.systems[0].device), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "load_avg_1min": {"before": load_before, "after": os.getloadavg()[0]},
-            "workload": f"MT-bench first turns, {len(setup.prompts)} prompts, chat template, "
-                        f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}"}
+    meta = run_meta(argv, cfg, setup, time.time() - t0, load_before)
     extra = {"skipped": setup.skipped, "failed": failed,
              "peaks_bytes": peak_dict, "roofline": roof}
     save_json(out / "bench.json", meta, rows, records, ids, extra)
@@ -136,6 +130,15 @@ def bench_main(argv: list[str]) -> int:
         print(f"MISMATCH: {i.system} greedy output differs from plain decoding on "
               f"{i.compared - i.identical}/{i.compared} prompts")
     return 1 if broken else 0
+
+
+def run_meta(argv: list[str], cfg: BenchConfig, setup, elapsed_s: float, load_before: float) -> dict:
+    return {"command": "eagle3 bench " + shlex.join(argv), "config": to_jsonable(cfg),
+            "elapsed_s": elapsed_s, "date": time.strftime("%Y-%m-%d %H:%M"),
+            "machine": machine_info(setup.systems[0].device),
+            "load_avg_1min": {"before": load_before, "after": os.getloadavg()[0]},
+            "workload": f"MT-bench first turns, {len(setup.prompts)} prompts, chat template, "
+                        f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}"}
 
 
 def busy_warning(threads: int) -> float:

@@ -117,40 +117,71 @@ class Builder:
 
 
 def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
-    from ..api import load_engine
-    from ..models.packed import pack_for_inference
+    """Every wanted system on the same weights; the prompts; what was skipped and why."""
     from ..runtime.loader import load_tokenizer, resolve_model
     from .roofline import unique_weight_bytes
     torch.set_num_threads(cfg.threads)
     src = resolve_model(cfg.model)
-    draft_arg, no_draft = resolve_draft(cfg)
     tokenizer = load_tokenizer(src.hf_dir)
     prompts = make_prompts(tokenizer, select_questions(load_questions(), cfg.prompts), cfg.seed)
     warm = warmup_prompt(tokenizer)
     b = Builder()
-    before = rss_bytes()
-    engine = load_engine(cfg.model, draft_arg or "none", spec=cfg.tree, device=cfg.device,
-                         max_model_len=context_len(cfg, prompts + [warm]), pack=False)
-    b.load_rss_mb["ours"] = (rss_bytes() - before) / 2**20
-    weight_bytes = unique_weight_bytes(engine.target)
+    engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))
+    weight_bytes = unique_weight_bytes(engine.target)            # before packing: logical weights
     device = str(engine.target.embed_tokens.weight.device)
-    log(f"target {src.name} on {device}, draft: {draft_arg or no_draft}")
-    stop_ids = tuple(sorted(engine.eos_ids))
-    if not stop_ids:
-        raise InputError("the target has no eos token id; the bench needs one to stop generations")
+    log(f"target {src.name} on {device}, draft: {no_draft or 'loaded'}")
     if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
-        from .llamacpp import build_eagle3
+        from .llamacpp import build_eagle3                       # converts the unpacked draft
         b.add("llama.cpp-eagle3", lambda: build_eagle3(
             engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
             cfg.threads, cfg.max_model_len))
+    shapes = add_ours(cfg, b, engine, no_draft)
+    add_peers(cfg, b, src, device)
+    systems = sorted((s for s in b.systems if wanted(cfg, s.name)), key=lambda s: ORDER.index(
+        "ours-spec" if s.name.startswith(("ours-chain", "ours-tree")) else s.name))
+    depths = {name: spec.depth for name, spec in shapes.items()}
+    depths.update({s.name: cfg.chain_depth for s in systems if s.name == "llama.cpp-eagle3"})
+    return Setup(systems, b.skipped, prompts, warm, stop_ids_of(engine), depths, engine.target,
+                 weight_bytes, b.load_rss_mb)
+
+
+ORDER = ("ours-plain", "ours-spec", "hf-generate", "hf-prompt-lookup", "llama.cpp",
+         "llama.cpp-prompt-lookup", "llama.cpp-eagle3")
+
+
+def load_ours(cfg: BenchConfig, b: Builder, max_model_len: int):
+    """Our engine, unpacked (the EAGLE-3 peer converts the plain draft); (engine, no-draft reason)."""
+    from ..api import load_engine
+    draft_arg, no_draft = resolve_draft(cfg)
+    before = rss_bytes()
+    engine = load_engine(cfg.model, draft_arg or "none", spec=cfg.tree, device=cfg.device,
+                         max_model_len=max_model_len, pack=False)
+    b.load_rss_mb["ours"] = (rss_bytes() - before) / 2**20
+    return engine, no_draft
+
+
+def stop_ids_of(engine) -> tuple[int, ...]:
+    if not engine.eos_ids:
+        raise InputError("the target has no eos token id; the bench needs one to stop generations")
+    return tuple(sorted(engine.eos_ids))
+
+
+def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> dict[str, SpecParams]:
+    """Pack for the CPU (as load_engine does), then ours-plain and the chain and tree shapes."""
+    from ..models.packed import pack_for_inference
+    before = rss_bytes()
     if engine.target.embed_tokens.weight.device.type == "cpu":
         pack_for_inference(engine.target)
         if engine.draft is not None:
             pack_for_inference(engine.draft)
     shapes = spec_shapes(cfg) if engine.draft is not None else {}
-    ours = build_ours(engine, shapes)
-    b.systems += [s for s in ours if wanted(cfg, s.name)]
+    b.systems += build_ours(engine, shapes)
+    b.load_rss_mb["ours"] += (rss_bytes() - before) / 2**20
     b.skipped += [(n, no_draft) for n in spec_shapes(cfg) if engine.draft is None]
+    return shapes
+
+
+def add_peers(cfg: BenchConfig, b: Builder, src, device: str) -> None:
     if any(wanted(cfg, n) for n in ("hf-generate", "hf-prompt-lookup")):
         b.add("hf", lambda: build_hf(src.hf_dir, device, cfg.prompt_lookup))
     if src.gguf is None:
@@ -159,11 +190,6 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
         from .llamacpp import build_binding
         b.add("llama.cpp", lambda: build_binding(src.gguf, cfg.threads, cfg.max_model_len,
                                                  cfg.prompt_lookup))
-    systems = [s for s in b.systems if wanted(cfg, s.name)]
-    depths = {name: spec.depth for name, spec in shapes.items()}
-    depths.update({s.name: cfg.chain_depth for s in systems if s.name == "llama.cpp-eagle3"})
-    return Setup(systems, b.skipped, prompts, warm, stop_ids, depths,
-                 engine.target, weight_bytes, b.load_rss_mb)
 
 
 # ---------------------------------------------------------------------------- run
@@ -217,10 +243,15 @@ class Failures:
 
 
 def warmup(cfg: BenchConfig, setup: Setup, failures: Failures) -> None:
+    """Untimed generations; the RSS they add (lazily mapped weights, caches) is charged to the
+    system's group in load_rss_mb, next to what loading it added."""
     for system in setup.systems:
+        before = rss_bytes()
         for temp in cfg.temperatures:
             params = gen_params(cfg, setup, temp, setup.warm, WARMUP_TOKENS)
             failures.call(system, lambda: system.warmup(setup.warm, params))
+        if system.family in setup.load_rss_mb:
+            setup.load_rss_mb[system.family] += max(rss_bytes() - before, 0) / 2**20
 
 
 def run(cfg: BenchConfig, setup: Setup, progress: bool = True) -> tuple[list[Record], PeakMemory,
