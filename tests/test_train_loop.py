@@ -97,3 +97,15 @@ def tiny_draft_fc_init(target):
     from eagle3.train.pipeline import make_draft, prepare
     samples = synthetic_samples(target, 12)
     return make_draft(target, BASE, prepare(samples, BASE, 96, None).vocab).fc.weight.detach()
+
+
+def test_warm_start_from_another_run(tmp_path):
+    torch.set_num_threads(1)
+    target = tiny_target(std=1.0)
+    samples = synthetic_samples(target, 12)
+    train(target, samples, BASE, out=tmp_path / "a")
+    warm = train(target, samples, replace(BASE, init_from=str(tmp_path / "a" / "checkpoint.pt"), max_steps=1),
+                 out=tmp_path / "b")
+    first_a, first_b = log(tmp_path / "a")[0]["loss"], log(tmp_path / "b")[0]["loss"]
+    assert first_b < first_a
+    assert warm.fc.weight.shape == (32, 3 * 32)

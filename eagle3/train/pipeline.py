@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..errors import InputError
+from ..errors import ContractError, InputError
 from ..models.llama import LlamaModel
 from ..spec.draft import DraftConfig, Eagle3Draft
 from .config import TrainConfig
 from .features import FeatureCache, FeatureSource, Sample, build_cache, load_conversations
-from .trainer import Cursor, Dist, Run, TrainState, make_optimizer, restore, train_loop
+from .trainer import Cursor, Dist, Run, TrainState, load_checkpoint, make_optimizer, restore, train_loop
 from .ttt import TTTConfig, TTTModel
 from .vocab import DraftVocab, build_vocab, count_tokens, coverage
 
@@ -128,8 +128,21 @@ def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist =
     state = TrainState(0, Cursor(0, 0))
     if run.ckpt.is_file():
         state = restore(run.ckpt, model, run.opt)
+    elif cfg.init_from:
+        warm_start(model, Path(cfg.init_from))
     train_loop(run, cfg, state, d, progress)
     return model.draft
+
+
+def warm_start(model: TTTModel, ckpt_path: Path) -> None:
+    """Draft weights (not optimizer, not schedule) from another run; vocab buffers must match."""
+    state = load_checkpoint(ckpt_path)["draft"]
+    for key in ("d2t", "t2d"):
+        if not torch.equal(state[key], getattr(model.draft, key)):
+            raise ContractError(key, f"{key} of {ckpt_path}", f"{key} built from this run's data",
+                                "warm-start only from a run with the same draft vocabulary "
+                                "(same data and draft_vocab_size)")
+    model.draft.load_state_dict({**state, "embed_tokens.weight": model.draft.embed_tokens.weight})
 
 
 # ---------------------------------------------------------------------------- entry point
