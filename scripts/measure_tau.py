@@ -52,7 +52,9 @@ def main(argv: list[str]) -> int:
     depth = engine.spec.depth if getattr(engine, "spec", None) else 8
     res = [measure(engine, first_turns(args.n), float(t), args.max_new_tokens, depth)
            for t in args.temperatures.split(",")]
-    text = json.dumps({"draft": args.draft, "spec": str(getattr(engine, "spec", None)), "results": res}, indent=2)
+    text = json.dumps({"draft": args.draft, "spec": str(getattr(engine, "spec", None)),
+                       "max_new_tokens": args.max_new_tokens, "command": " ".join(["scripts/measure_tau.py"] + argv),
+                       "results": res}, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text)

@@ -28,7 +28,7 @@ def eval_table(evals: list[dict]) -> list[str]:
 
 
 def tau_table(tau: dict) -> list[str]:
-    rows = [f"Measured with `scripts/measure_tau.py` ({tau['spec']}):", "",
+    rows = [f"Measured with `{tau.get('command', 'scripts/measure_tau.py')}` ({tau['spec']}, CPU fp32 target):", "",
             "| temperature | prompts | max new | tau | acceptance per draft position |", "|---|---|---|---|---|"]
     for r in tau["results"]:
         rows.append(f"| {r['temperature']} | {r['prompts']} | {tau.get('max_new_tokens', '')} | {r['tau']} | "
@@ -101,6 +101,13 @@ def main(argv: list[str]) -> int:
         "", "## Held-out evaluation during training", "", *eval_table(evals), "",
         "est. tau = 1 + sum_k prod_{j<=k} acc_j: a chain estimate from teacher-forced accuracy, not a decode.",
     ]
+    lines += ["", "## Reproduce", "",
+              "```", "python scripts/regen_data.py --out runs/data --limit 4000      # resumable; stopped at "
+              f"{m['conversations']} here",
+              "python -m eagle3.train --config runs/smollm2/train.toml           # resumes from runs/smollm2/checkpoint.pt",
+              "python scripts/ship_draft.py --run runs/smollm2 --out eagle3/drafts/smollm2-135m-eagle3",
+              "python scripts/measure_tau.py --draft eagle3/drafts/smollm2-135m-eagle3 --n 80 --temperatures 0,1",
+              "```"]
     if args.tau and args.tau.is_file():
         lines += ["", "## Measured acceptance (speculative decoding, MT-bench first turns)", "",
                   *tau_table(json.loads(args.tau.read_text()))]
