@@ -6,8 +6,10 @@ from typing import Optional
 
 import torch
 
+from .errors import InputError
 from .generate import Engine
 
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
 DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
 
@@ -36,11 +38,14 @@ def load_target(model: Optional[str], device: torch.device, dtype: torch.dtype):
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
                 device: Optional[str] = None, dtype: torch.dtype = torch.float32,
                 max_model_len: int = 2048, algorithm: Optional[str] = None,
-                pack: bool = True) -> Engine:
+                pack: bool = True, weights: str = "fp32") -> Engine:
     """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
     the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
-    contract is checked here, before anything runs). pack: prepack weights for CPU inference."""
+    contract is checked here, before anything runs). pack: prepack weights for CPU inference.
+    weights: "fp32" (exact: matches the fp32 checkpoint / HF transformers) or "bf16" (target GEMM
+    weights in bf16 on CPUs with oneDNN: ~1.3-1.6x faster forwards here; speculation stays lossless
+    with respect to that bf16 target). The draft always runs in fp32."""
     from .models.llama import LlamaModel
     from .models.packed import pack_for_inference
     dev = pick_device(device)
@@ -55,9 +60,13 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
                             target=target)
         check_pair(target.config, loaded.draft, algorithm, target, loaded.info)
         drafter = loaded.draft.requires_grad_(False)
+    if weights not in WEIGHT_DTYPES:
+        raise InputError(f"weights={weights!r}: choose one of {sorted(WEIGHT_DTYPES)}")
+    if weights != "fp32" and not (pack and dev.type == "cpu" and isinstance(target, LlamaModel)):
+        raise InputError(f"weights={weights} needs the native model packed on the CPU")
     if pack and dev.type == "cpu":
         if isinstance(target, LlamaModel):
-            pack_for_inference(target)
+            pack_for_inference(target, WEIGHT_DTYPES[weights])
         if drafter is not None:
             pack_for_inference(drafter)
     return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len)

@@ -31,6 +31,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, help="tree: draft forwards per step")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="tree: nodes verified per step, root included")
+    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                   help="target GEMM weights on CPU: fp32 (exact, default) or bf16 (faster with "
+                        "AVX512-BF16; lossless w.r.t. the bf16 target)")
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -44,7 +47,8 @@ def generate_cmd(args: argparse.Namespace) -> int:
     from .api import load_engine
     from .generate import SamplingParams
     engine = load_engine(args.model, args.draft, spec_from_args(args), args.device,
-                         max_model_len=args.max_model_len, algorithm=args.algorithm)
+                         max_model_len=args.max_model_len, algorithm=args.algorithm,
+                         weights=args.weights)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k,
                             seed=args.seed, max_new_tokens=args.max_new_tokens,
                             stop=tuple(args.stop or ()))
