@@ -185,6 +185,8 @@ def test_harness_runs_every_system_and_greedy_is_identical(harness, tmp_path):
     assert len(doc["records"]) == 18 and "tokens" not in doc["records"][0]
     plots = save_plots(tmp_path, rows, records)
     assert all(Path(p).stat().st_size > 1000 for p in plots)
+    back = [Record.from_json(r) for r in doc["records"]]
+    assert [(r.system, r.tokens_per_s) for r in back] == [(r.system, r.tokens_per_s) for r in records]
 
 
 def test_sampled_runs_follow_the_prompt_seed(harness):

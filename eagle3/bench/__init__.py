@@ -24,6 +24,7 @@ from ..spec.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
                      table, to_jsonable, tree_vs_chain_text)
 from .runner import BenchConfig, build, machine_info, run
+from .roofline import Roofline
 from .stats import Record
 from .systems import GenParams, RunResult, System
 from .workload import BenchPrompt, load_questions, make_prompts, select_questions
@@ -71,6 +72,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--from-json", default=None, metavar="BENCH_JSON",
+                   help="print the table and redraw the plots of a saved run (into --out)")
     return p.parse_args(argv)
 
 
@@ -98,6 +101,8 @@ def log(msg: str) -> None:
 
 def bench_main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.from_json:
+        return replay(Path(args.from_json), Path(args.out), plots=not args.no_plots)
     cfg = config_from(args)
     setup = build(cfg, log=log)
     if args.tune:
@@ -115,7 +120,7 @@ def bench_main(argv: list[str]) -> int:
     rows = summarize(records, setup.depths, peak_dict)
     ids = identities(records)
     roof = None if args.no_roofline else measure_roofline(setup, cfg)
-    print_report(setup, rows, records, ids, failed, roof)
+    print_report(setup.skipped, rows, records, ids, failed, roof)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(argv, cfg, setup, time.time() - t0, load_before)
@@ -130,6 +135,25 @@ def bench_main(argv: list[str]) -> int:
         print(f"MISMATCH: {i.system} greedy output differs from plain decoding on "
               f"{i.compared - i.identical}/{i.compared} prompts")
     return 1 if broken else 0
+
+
+def replay(path: Path, out: Path, plots: bool = True) -> int:
+    """Table and plots from a saved bench.json (the identity check is the one saved)."""
+    from .stats import Identity
+    doc = json.loads(path.read_text())
+    records = [Record.from_json(r) for r in doc["records"]]
+    depths = {r["system"]: len(r["acceptance"]) for r in doc["summary"] if r.get("acceptance")}
+    rows = summarize(records, depths, doc.get("peaks_bytes", {}))
+    print(f"# {doc['meta']['command']}  ({doc['meta']['date']}, {doc['meta']['machine']['cpu']})")
+    skipped = [tuple(x) for x in doc.get("skipped", [])]
+    print_report(skipped, rows, records, [Identity(**i) for i in doc["identity"]],
+                 doc.get("failed", {}), None)
+    if doc.get("roofline"):
+        print(Roofline(**doc["roofline"]).text())
+    if plots:
+        out.mkdir(parents=True, exist_ok=True)
+        log("wrote " + ", ".join(str(p) for p in save_plots(out, rows, records)))
+    return 0
 
 
 def run_meta(argv: list[str], cfg: BenchConfig, setup, elapsed_s: float, load_before: float) -> dict:
@@ -162,7 +186,7 @@ def measure_roofline(setup, cfg: BenchConfig):
     return measure(setup.target, setup.weight_bytes, clock=clock_of(cfg))
 
 
-def print_report(setup, rows, records, ids, failed, roof) -> None:
+def print_report(skipped, rows, records, ids, failed, roof) -> None:
     print(table(rows))
     print("tok/s: median over prompts [IQR], agg = all tokens / all seconds; x B: per-prompt "
           "tokens/s ratio to B at the same temperature, median [IQR]")
@@ -174,7 +198,7 @@ def print_report(setup, rows, records, ids, failed, roof) -> None:
         print(text)
     if ids:
         print(identity_text(ids))
-    for name, reason in setup.skipped:
+    for name, reason in skipped:
         print(f"skipped {name}: {reason}")
     for name, reason in failed.items():
         print(f"FAILED {name}: {reason}")

@@ -198,17 +198,21 @@ def _acceptance_plot(plt, rows: list[Row], path: Path) -> Path:
                     label=f"{r.system} T={r.temperature:g}")
     ax.set(xlabel="draft position k", ylabel="share of steps accepting >= k", ylim=(0, 1),
            title="acceptance per draft position")
+    ax.xaxis.get_major_locator().set_params(integer=True)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
 
 def _tau_plot(plt, records: list[Record], temps: list[float], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 4))
+    every = [r.tau for r in records if r.tau is not None]
+    lo, hi = min(every), max(every)
+    bins = [lo + (hi - lo + 1e-9) * i / 20 for i in range(21)]          # shared by every series
     for name in dict.fromkeys(r.system for r in records if r.tau is not None):
         for t in temps:
             taus = [r.tau for r in records if r.system == name and r.temperature == t and r.tau]
             if taus:
-                ax.hist(taus, bins=20, alpha=0.5, label=f"{name} T={t:g}")
+                ax.hist(taus, bins=bins, histtype="step", lw=1.5, label=f"{name} T={t:g}")
     ax.set(xlabel="tau (tokens per target forward, per prompt)", ylabel="prompts",
            title="tau per prompt")
     ax.legend(fontsize=8)

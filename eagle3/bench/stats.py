@@ -39,6 +39,10 @@ class Record:
         d["tokens_per_s"] = self.tokens_per_s
         return d
 
+    @classmethod
+    def from_json(cls, d: dict) -> "Record":
+        return cls(**{k: v for k, v in d.items() if k in cls.__dataclass_fields__})
+
 
 @dataclass(frozen=True)
 class Spread:
