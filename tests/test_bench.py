@@ -14,7 +14,7 @@ from eagle3.bench import config_from, parse_args
 from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
 from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
                                  tree_vs_chain_text)
-from eagle3.bench.roofline import measure, unique_weight_bytes, verify_costs
+from eagle3.bench.roofline import measure, read_bytes_per_forward, verify_costs
 from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run
 from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_divergence,
                                 greedy_identity, ratios)
@@ -23,6 +23,7 @@ from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
 from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
 from eagle3.errors import InputError
 from eagle3.generate import Engine
+from eagle3.models.packed import pack_for_inference
 from eagle3.spec.tree import SpecParams
 from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
 
@@ -231,12 +232,16 @@ def test_tune_ranks_shapes(harness):
     assert "best on this machine" in tune_text(rows)
 
 
-def test_roofline_counts_tied_weights_once(one_thread):  # noqa: F811
+def test_roofline_counts_what_a_forward_reads(one_thread):  # noqa: F811
     tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     tied[1].weight = tied[0].weight
-    assert unique_weight_bytes(tied) == 10 * 4 * 4
+    assert read_bytes_per_forward(tied) == 10 * 4 * 4           # the embedding reads one row
     target = tiny_target()
-    roof = measure(target, unique_weight_bytes(target), context=8, mib=4)
+    fp32 = read_bytes_per_forward(target)
+    pack_for_inference(target, torch.bfloat16)
+    linears = sum(m.weight.numel() for m in tiny_target().modules() if isinstance(m, torch.nn.Linear))
+    assert read_bytes_per_forward(target) == fp32 - 2 * linears  # bf16 GEMM weights: half
+    roof = measure(target, read_bytes_per_forward(target), context=8, mib=4)
     assert roof.forward_ms > 0 and roof.bound_ms > 0
     assert roof.ratio == pytest.approx(roof.forward_ms / roof.bound_ms)
     assert "memory bound" in roof.text()

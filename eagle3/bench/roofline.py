@@ -32,14 +32,17 @@ class Roofline:
                 f"({self.ratio_read:.2f}x against {self.read_gb_s:.1f} GB/s pure read)")
 
 
-def unique_weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter/buffer storage (tied weights count once)."""
-    seen, total = set(), 0
-    for t in list(model.parameters()) + list(model.buffers()):
-        key = (t.untyped_storage().data_ptr(), t.dtype)
-        if key not in seen and t.is_floating_point():
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
+def read_bytes_per_forward(model: torch.nn.Module) -> int:
+    """Weight bytes a one-token forward reads: every linear (at the dtype it runs in, packed or
+    not; a tied lm_head counts once as a linear) and every norm; embeddings read one row (0)."""
+    from ..models.layers import RMSNorm
+    from ..models.packed import PackedLinear
+    total = 0
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            total += m.out_features * m.in_features * m.weight_dtype.itemsize
+        elif isinstance(m, (torch.nn.Linear, RMSNorm)):
+            total += m.weight.numel() * m.weight.element_size()
     return total
 
 

@@ -41,6 +41,7 @@ class BenchConfig:
     ignore_eos: bool = False
     max_model_len: int = 2048
     clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
+    weights: str = "fp32"                          # our target's GEMM weights: fp32 | bf16 (CPU)
 
     def __post_init__(self):
         if self.clock not in ("wall", "cpu"):
@@ -119,7 +120,7 @@ class Builder:
 def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     """Every wanted system on the same weights; the prompts; what was skipped and why."""
     from ..runtime.loader import load_tokenizer, resolve_model
-    from .roofline import unique_weight_bytes
+    from .roofline import read_bytes_per_forward
     torch.set_num_threads(cfg.threads)
     src = resolve_model(cfg.model)
     tokenizer = load_tokenizer(src.hf_dir)
@@ -127,7 +128,6 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     warm = warmup_prompt(tokenizer)
     b = Builder()
     engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))
-    weight_bytes = unique_weight_bytes(engine.target)            # before packing: logical weights
     device = str(engine.target.embed_tokens.weight.device)
     log(f"target {src.name} on {device}, draft: {no_draft or 'loaded'}")
     if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
@@ -136,6 +136,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
             engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
             cfg.threads, cfg.max_model_len))
     shapes = add_ours(cfg, b, engine, no_draft)
+    weight_bytes = read_bytes_per_forward(engine.target)         # as packed (fp32 or bf16)
     add_peers(cfg, b, src, device)
     systems = sorted((s for s in b.systems if wanted(cfg, s.name)), key=lambda s: ORDER.index(
         "ours-spec" if s.name.startswith(("ours-chain", "ours-tree")) else s.name))
@@ -168,10 +169,16 @@ def stop_ids_of(engine) -> tuple[int, ...]:
 
 def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> dict[str, SpecParams]:
     """Pack for the CPU (as load_engine does), then ours-plain and the chain and tree shapes."""
+    from ..api import WEIGHT_DTYPES
+    from ..models.llama import LlamaModel
     from ..models.packed import pack_for_inference
     before = rss_bytes()
-    if engine.target.embed_tokens.weight.device.type == "cpu":
-        pack_for_inference(engine.target)
+    on_cpu = engine.target.embed_tokens.weight.device.type == "cpu"
+    if cfg.weights != "fp32" and not (on_cpu and isinstance(engine.target, LlamaModel)):
+        raise InputError(f"--weights {cfg.weights} needs the native model on the CPU")
+    if on_cpu:
+        if isinstance(engine.target, LlamaModel):
+            pack_for_inference(engine.target, WEIGHT_DTYPES[cfg.weights])
         if engine.draft is not None:
             pack_for_inference(engine.draft)
     shapes = spec_shapes(cfg) if engine.draft is not None else {}
