@@ -59,8 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="cpu = process CPU seconds instead of wall (with --threads 1, on a machine "
                         "shared with other jobs; llama.cpp-eagle3 keeps its own wall timers)")
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
-                   help="our target's GEMM weights on the CPU (bf16: faster, no longer the exact "
-                        "fp32 model that HF runs; speculation stays lossless w.r.t. it)")
+                   help="our target's GEMM weights on the CPU (bf16: faster, but not the fp32 "
+                        "model HF runs, and its logits depend on a forward's row count, so greedy "
+                        "speculative output can differ from plain decoding; the bench checks it)")
     p.add_argument("--chain-depth", type=int, default=5, help="ours-chain and llama.cpp-eagle3 depth")
     p.add_argument("--tree", default="4,5,8", help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (HF, llama.cpp)")
