@@ -153,14 +153,24 @@ def draft_gguf_for(draft, target_config, hf_dir: Path, converter: Path) -> Path:
     for f in sorted(staged.iterdir()):
         digest.update(f.name.encode() + f.read_bytes())
     out = LLAMA_CPP_HOME / "drafts" / f"draft-{digest.hexdigest()[:12]}.gguf"
-    if not out.is_file():
-        cmd = [sys.executable, str(converter), str(staged), "--target-model-dir", str(hf_dir),
-               "--outtype", "f32", "--outfile", str(out)]
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"draft conversion failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
-    shutil.rmtree(staged, ignore_errors=True)
+    try:
+        if not out.is_file():
+            convert(converter, staged, hf_dir, out)
+    finally:
+        shutil.rmtree(staged, ignore_errors=True)
     return out
+
+
+def convert(converter: Path, draft_dir: Path, hf_dir: Path, out: Path) -> None:
+    """llama.cpp's converter, written to a temporary name first (a crash leaves no cached file)."""
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    cmd = [sys.executable, str(converter), str(draft_dir), "--target-model-dir", str(hf_dir),
+           "--outtype", "f32", "--outfile", str(tmp)]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"draft conversion failed ({' '.join(cmd)}):\n{res.stderr[-2000:]}")
+    os.replace(tmp, out)
 
 
 def build_eagle3(draft, target_config, hf_dir: Path, gguf: Path, depth: int, threads: int,
