@@ -43,9 +43,12 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
     contract is checked here, before anything runs). pack: prepack weights for CPU inference.
-    weights: "fp32" (exact: matches the fp32 checkpoint / HF transformers) or "bf16" (target GEMM
-    weights in bf16 on CPUs with oneDNN: ~1.3-1.6x faster forwards here; speculation stays lossless
-    with respect to that bf16 target). The draft always runs in fp32."""
+    weights: "fp32" (exact: matches the fp32 checkpoint / HF transformers, and greedy speculation is
+    token-identical to plain decoding) or "bf16" (target GEMM weights in bf16 on CPUs with oneDNN:
+    ~1.3-1.6x faster forwards here, but NOT bit-stable: a row's logits depend on how many rows the
+    forward holds (up to ~0.4 apart between an 8-row verify and single-token decode), so greedy
+    speculative output can differ from plain decoding at near-ties, as on GPU engines whose kernels
+    depend on batch shape). The draft always runs in fp32."""
     from .models.llama import LlamaModel
     from .models.packed import pack_for_inference
     dev = pick_device(device)

@@ -33,7 +33,8 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="tree: nodes verified per step, root included")
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
                    help="target GEMM weights on CPU: fp32 (exact, default) or bf16 (faster with "
-                        "AVX512-BF16; lossless w.r.t. the bf16 target)")
+                        "AVX512-BF16, but logits depend on the block size: greedy speculative "
+                        "output may differ from plain decoding at near-ties)")
 
 
 def spec_from_args(args: argparse.Namespace):

@@ -69,7 +69,8 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
 
     weight_dtype=torch.bfloat16 stores the GEMM weights in bf16 (activations stay fp32): half the
     memory traffic, and fast on CPUs with AVX512-BF16. The model then differs numerically from
-    the fp32 checkpoint (speculation stays lossless with respect to the model as it runs).
+    the fp32 checkpoint, and oneDNN's bf16 kernels make a row's result depend on the number of
+    rows in the call, so verify (many rows) and decode (one row) can disagree at near-ties.
     """
     from .layers import MLP, Attention
     for module in list(model.modules()):
