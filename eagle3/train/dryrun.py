@@ -34,7 +34,9 @@ def dry_run(cfg: TrainConfig, d: Dist) -> int:
     samples = synthetic_samples(target, 48)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) if cfg.out == TrainConfig.out else Path(cfg.out)
-        cfg = replace(cfg, out=str(out), draft_vocab_size=64, warmup_steps=2, epochs=1,
+        # ranks have their own temporary dirs: under DDP the features are computed online
+        features = "online" if d.world > 1 else cfg.features
+        cfg = replace(cfg, out=str(out), features=features, draft_vocab_size=64, warmup_steps=2, epochs=1,
                       eval_every=4, checkpoint_every_s=0.0, batch_size=8, eval_fraction=0.1)
         draft = train(target, samples, cfg, d, out)
         if d.main:
