@@ -5,7 +5,10 @@ kept in scripts/bench_runtime.py): torch's default x @ W.T is fine for one row w
 [in, out] (lm_head 49152x576: 7-11 ms vs 24 ms in the [out, in] layout), but for 2-16 rows MKL
 falls off (8 rows: 33 ms) while oneDNN with a prepacked weight takes 14-15 ms. Verification
 forwards have several rows, decode forwards one, so PackedLinear keeps both layouts and picks per
-call. On other devices (CUDA) it is a plain linear. Fusing q/k/v and gate/up halves the GEMM count.
+call. With 2 threads oneDNN also wins for one row (SmolLM2 decode forward 38.5 ms vs 47-50 ms with
+the [in, out] GEMV, which does not scale past one thread here), so the GEMV layout serves only
+one-row calls on one thread. On other devices (CUDA) it is a plain linear. Fusing q/k/v and gate/up
+halves the GEMM count.
 """
 from __future__ import annotations
 
@@ -48,7 +51,7 @@ class PackedLinear(nn.Module):
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "").float()
             y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if self.packed is None or rows == 1:
+        if self.packed is None or (rows == 1 and torch.get_num_threads() == 1):
             y = x @ self.weight_t
             return y if self.bias is None else y + self.bias
         flat = x.reshape(rows, self.in_features)
