@@ -20,13 +20,7 @@ DSV3 = dict(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate
 IDS = (2, 4, 5)   # = default_aux_layer_ids for 8 layers: 2, L//2, L-3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine run faster (and steadier) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_deepseek(seed: int = 0):

@@ -65,13 +65,7 @@ def generate(target, draft=None, spec=None, ids=None, max_new: int = 20) -> tupl
     return out.token_ids, out.tau
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops on a shared 2-core machine run faster (and steadier) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

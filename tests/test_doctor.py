@@ -30,12 +30,7 @@ IDS = (2, 4, 5)            # default ids for 8 layers (input convention)
 PROBE = ProbeSettings(max_new_tokens=12, top_k=2, depth=3, num_draft_tokens=5, prompts=("a", "b"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def hf_config(vocab: int = V, hidden: int = H, layers: int = L, rope_theta: float = 10000.0) -> dict:
