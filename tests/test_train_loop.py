@@ -109,3 +109,16 @@ def test_warm_start_from_another_run(tmp_path):
     first_a, first_b = log(tmp_path / "a")[0]["loss"], log(tmp_path / "b")[0]["loss"]
     assert first_b < first_a
     assert warm.fc.weight.shape == (32, 3 * 32)
+
+
+def test_warm_start_from_an_exported_draft_directory(tmp_path):
+    from eagle3.spec.formats import save_draft
+    torch.set_num_threads(1)
+    target = tiny_target(std=1.0)
+    samples = synthetic_samples(target, 12)
+    trained = train(target, samples, BASE, out=tmp_path / "a")
+    save_draft(trained, tmp_path / "exported", "specforge", target.config)
+    warm = train(target, samples, replace(BASE, init_from=str(tmp_path / "exported"), max_steps=1),
+                 out=tmp_path / "b")
+    assert log(tmp_path / "b")[0]["loss"] < log(tmp_path / "a")[0]["loss"]
+    assert warm.fc.weight.shape == (32, 3 * 32)

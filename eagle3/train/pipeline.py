@@ -135,14 +135,23 @@ def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist =
 
 
 def warm_start(model: TTTModel, ckpt_path: Path) -> None:
-    """Draft weights (not optimizer, not schedule) from another run; vocab buffers must match."""
-    state = load_checkpoint(ckpt_path)["draft"]
+    """Draft weights (not optimizer, not schedule) from another run's checkpoint.pt, or from an
+    exported draft directory (e.g. the shipped one); vocab buffers must match."""
+    state = warm_state(ckpt_path, model.draft)
     for key in ("d2t", "t2d"):
         if not torch.equal(state[key], getattr(model.draft, key)):
             raise ContractError(key, f"{key} of {ckpt_path}", f"{key} built from this run's data",
                                 "warm-start only from a run with the same draft vocabulary "
                                 "(same data and draft_vocab_size)")
     model.draft.load_state_dict({**state, "embed_tokens.weight": model.draft.embed_tokens.weight})
+
+
+def warm_state(path: Path, draft) -> dict[str, torch.Tensor]:
+    if not path.is_dir():
+        return load_checkpoint(path)["draft"]
+    from ..spec.formats import load_draft
+    loaded = load_draft(path, dtype=draft.fc.weight.dtype)
+    return {k: v for k, v in loaded.draft.state_dict().items() if k != "embed_tokens.weight"}
 
 
 # ---------------------------------------------------------------------------- entry point
