@@ -405,13 +405,19 @@ def vllm_num_tokens(spec: dict[str, Any]) -> list[Check]:
     if value in (None, ""):
         return [failed(name, "num_speculative_tokens missing: vLLM refuses an EAGLE draft without it",
                        "add \"num_speculative_tokens\": 3 (vLLM drafts a chain of that length)")]
+    return chain_length(name, "num_speculative_tokens=", value, "use >= 1",
+                        "chain of {n} draft tokens per step")
+
+
+def chain_length(name: str, label: str, value: Any, fix: str, ok: str) -> list[Check]:
+    """A chain-length option: an integer >= 1 (`ok` is formatted with n)."""
     try:
         n = int(value)
     except (TypeError, ValueError):
-        return [failed(name, f"num_speculative_tokens={value!r} is not an integer", "give an integer")]
+        return [failed(name, f"{label}{value!r} is not an integer", "give an integer")]
     if n < 1:
-        return [failed(name, f"num_speculative_tokens={n}", "use >= 1")]
-    return [passed(name, f"chain of {n} draft tokens per step")]
+        return [failed(name, f"{label}{n}: nothing is drafted", fix)]
+    return [passed(name, ok.format(n=n))]
 
 
 # ---------------------------------------------------------------------------- llama.cpp
@@ -486,13 +492,8 @@ def llama_n_max(value: Optional[str]) -> list[Check]:
     name = "launch.llama.cpp.tree"
     if value is None:
         return [passed(name, "llama.cpp drafts a chain (no tree); --spec-draft-n-max defaults to 3")]
-    try:
-        n = int(value)
-    except ValueError:
-        return [failed(name, f"--spec-draft-n-max {value} is not an integer", "give an integer")]
-    if n < 1:
-        return [failed(name, f"--spec-draft-n-max {n}: nothing is drafted", "use >= 1 (e.g. 3-5)")]
-    return [passed(name, f"a chain of up to {n} draft tokens (llama.cpp does not draft trees)")]
+    return chain_length(name, "--spec-draft-n-max ", value, "use >= 1 (e.g. 3-5)",
+                        "a chain of up to {n} draft tokens (llama.cpp does not draft trees)")
 
 
 def lint_llama_convert(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts],
