@@ -122,3 +122,15 @@ def test_warm_start_from_an_exported_draft_directory(tmp_path):
                  out=tmp_path / "b")
     assert log(tmp_path / "b")[0]["loss"] < log(tmp_path / "a")[0]["loss"]
     assert warm.fc.weight.shape == (32, 3 * 32)
+
+
+def test_warm_start_with_more_data_keeps_the_source_vocabulary(tmp_path):
+    torch.set_num_threads(1)
+    target = tiny_target(std=1.0)
+    first = train(target, synthetic_samples(target, 12), replace(BASE, max_steps=1), out=tmp_path / "a")
+    more = synthetic_samples(target, 40, seed=1)
+    fresh = train(target, more, replace(BASE, max_steps=1), out=tmp_path / "fresh")
+    assert not torch.equal(fresh.d2t, first.d2t)          # the new data alone picks another vocabulary
+    warm = train(target, more, replace(BASE, init_from=str(tmp_path / "a" / "checkpoint.pt"), max_steps=1),
+                 out=tmp_path / "b")
+    assert torch.equal(warm.d2t, first.d2t) and torch.equal(warm.t2d, first.t2d)

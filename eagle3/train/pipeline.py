@@ -50,13 +50,27 @@ def split(num: int, eval_fraction: float) -> tuple[list[int], list[int]]:
 def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optional[Path]) -> Prepared:
     train_idx, eval_idx = split(len(samples), cfg.eval_fraction)
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in train_idx), vocab_size)
-    vocab = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size))
+    if cfg.init_from:
+        # a warm start keeps the source's draft vocabulary, so more data can be added to a run
+        vocab = init_vocab(Path(cfg.init_from), vocab_size)
+    else:
+        vocab = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size))
     if out is not None:
         sizes = [v for v in COVERAGE_SIZES if v < vocab_size] + [vocab_size]
         (out / "vocab.json").write_text(json.dumps({
             "draft_vocab_size": len(vocab.used), "assistant_tokens": int(counts.sum()),
             "distinct_tokens": int((counts > 0).sum()), "coverage": coverage(counts, sizes)}, indent=2))
     return Prepared(samples, train_idx, eval_idx, vocab)
+
+
+def init_vocab(path: Path, vocab_size: int) -> DraftVocab:
+    """The draft vocabulary (d2t, t2d) of a warm-start source: a checkpoint.pt or an exported draft."""
+    state = warm_state(path, torch.float32)
+    d2t, t2d = state["d2t"].long(), state["t2d"].bool()
+    if t2d.numel() != vocab_size:
+        raise ContractError("t2d", f"{t2d.numel()} entries in {path}", f"the target vocab {vocab_size}",
+                            "warm-start only from a draft trained for this target")
+    return DraftVocab(d2t + torch.arange(d2t.numel()), d2t, t2d)
 
 
 def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle3Draft:
@@ -137,20 +151,19 @@ def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist =
 def warm_start(model: TTTModel, ckpt_path: Path) -> None:
     """Draft weights (not optimizer, not schedule) from another run's checkpoint.pt, or from an
     exported draft directory (e.g. the shipped one); vocab buffers must match."""
-    state = warm_state(ckpt_path, model.draft)
+    state = warm_state(ckpt_path, model.draft.fc.weight.dtype)
     for key in ("d2t", "t2d"):
         if not torch.equal(state[key], getattr(model.draft, key)):
-            raise ContractError(key, f"{key} of {ckpt_path}", f"{key} built from this run's data",
-                                "warm-start only from a run with the same draft vocabulary "
-                                "(same data and draft_vocab_size)")
+            raise ContractError(key, f"{key} of {ckpt_path}", f"{key} of this run",
+                                "warm-start only from a run with the same draft vocabulary")
     model.draft.load_state_dict({**state, "embed_tokens.weight": model.draft.embed_tokens.weight})
 
 
-def warm_state(path: Path, draft) -> dict[str, torch.Tensor]:
+def warm_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     if not path.is_dir():
         return load_checkpoint(path)["draft"]
     from ..spec.formats import load_draft
-    loaded = load_draft(path, dtype=draft.fc.weight.dtype)
+    loaded = load_draft(path, dtype=dtype)
     return {k: v for k, v in loaded.draft.state_dict().items() if k != "embed_tokens.weight"}
 
 
