@@ -35,10 +35,24 @@ def load_target(model: Optional[str], device: torch.device, dtype: torch.dtype):
     return load_any(model, device, dtype), load_tokenizer(resolve_model(model).hf_dir)
 
 
+def draft_weight_dtype(choice: str) -> torch.dtype:
+    """The draft's CPU GEMM weight dtype for "auto" | "bf16" | "fp32" (bf16 lm_head GEMV: ~2.7x
+    faster than fp32 on an AVX512-BF16 core; measured in docs/bench.md)."""
+    bf16_ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    if choice == "auto":
+        return torch.bfloat16 if bf16_ok else torch.float32
+    if choice not in WEIGHT_DTYPES:
+        raise InputError(f"draft_weights={choice!r}: choose auto, {', '.join(sorted(WEIGHT_DTYPES))}")
+    if choice == "bf16" and not bf16_ok:
+        raise InputError("draft_weights=bf16: this CPU/torch build has no oneDNN bf16 kernels; "
+                         "use draft_weights=fp32 (or auto)")
+    return WEIGHT_DTYPES[choice]
+
+
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
                 device: Optional[str] = None, dtype: torch.dtype = torch.float32,
                 max_model_len: int = 2048, algorithm: Optional[str] = None,
-                pack: bool = True, weights: str = "fp32") -> Engine:
+                pack: bool = True, weights: str = "fp32", draft_weights: str = "auto") -> Engine:
     """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
     the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
@@ -48,7 +62,9 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     ~1.3-1.6x faster forwards here, but NOT bit-stable: a row's logits depend on how many rows the
     forward holds (up to ~0.4 apart between an 8-row verify and single-token decode), so greedy
     speculative output can differ from plain decoding at near-ties, as on GPU engines whose kernels
-    depend on batch shape). The draft always runs in fp32."""
+    depend on batch shape). draft_weights: the draft's GEMM weights on CPU, "auto" (bf16 where
+    oneDNN has bf16 kernels, else fp32), "bf16" or "fp32". The draft only proposes tokens, so its
+    precision changes acceptance, never the output: speculation stays lossless either way."""
     from .models.llama import LlamaModel
     from .models.packed import pack_for_inference
     dev = pick_device(device)
@@ -71,5 +87,5 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
         if isinstance(target, LlamaModel):
             pack_for_inference(target, WEIGHT_DTYPES[weights])
         if drafter is not None:
-            pack_for_inference(drafter)
+            pack_for_inference(drafter, draft_weight_dtype(draft_weights))
     return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len)

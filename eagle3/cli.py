@@ -35,6 +35,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="target GEMM weights on CPU: fp32 (exact, default) or bf16 (faster with "
                         "AVX512-BF16, but logits depend on the block size: greedy speculative "
                         "output may differ from plain decoding at near-ties)")
+    p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="draft GEMM weights on CPU (auto: bf16 where oneDNN supports it); the draft "
+                        "only proposes, so the output is the same either way")
 
 
 def spec_from_args(args: argparse.Namespace):
@@ -49,7 +52,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
     from .generate import SamplingParams
     engine = load_engine(args.model, args.draft, spec_from_args(args), args.device,
                          max_model_len=args.max_model_len, algorithm=args.algorithm,
-                         weights=args.weights)
+                         weights=args.weights, draft_weights=args.draft_weights)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k,
                             seed=args.seed, max_new_tokens=args.max_new_tokens,
                             stop=tuple(args.stop or ()))

@@ -266,3 +266,25 @@ def test_bf16_weights_stay_close_to_fp32():
     ref = fp32(ids, torch.arange(16), fp32.new_cache(32)).logits
     low = bf16(ids, torch.arange(16), bf16.new_cache(32)).logits
     assert 0 < (ref - low).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.skipif(not torch.ops.mkldnn._is_mkldnn_bf16_supported(), reason="no oneDNN bf16 here")
+def test_bf16_draft_weights_keep_greedy_identity(target, reference):
+    """The draft only proposes: packing it with bf16 weights changes proposals, never the output."""
+    import copy
+
+    from eagle3.models.packed import pack_for_inference
+    draft = oracle_draft(target, PROMPT + reference)
+    low = pack_for_inference(copy.deepcopy(draft), torch.bfloat16)
+    for spec in (SpecParams.chain(4), SpecParams(3, 4, 10)):
+        result = spec_engine(target, low, spec).generate(prompt_ids=PROMPT, params=GREEDY)
+        assert result.token_ids == reference
+        assert result.tau >= 2.0      # a bf16 oracle still proposes mostly the right tokens
+
+
+def test_draft_weights_choice_is_checked():
+    from eagle3.api import draft_weight_dtype
+    from eagle3.errors import InputError
+    assert draft_weight_dtype("fp32") == torch.float32
+    with pytest.raises(InputError, match="draft_weights='int4'"):
+        draft_weight_dtype("int4")

@@ -62,6 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="our target's GEMM weights on the CPU (bf16: faster, but not the fp32 "
                         "model HF runs, and its logits depend on a forward's row count, so greedy "
                         "speculative output can differ from plain decoding; the bench checks it)")
+    p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="the draft's GEMM weights on the CPU (auto: bf16 where oneDNN supports it; "
+                        "the draft only proposes, so output stays identical either way)")
     p.add_argument("--chain-depth", type=int, default=5, help="ours-chain and llama.cpp-eagle3 depth")
     p.add_argument("--tree", default="4,5,8", help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (HF, llama.cpp)")
@@ -96,7 +99,7 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        chain_depth=args.chain_depth, tree=parse_tree(args.tree),
                        prompt_lookup=args.prompt_lookup, systems=systems,
                        ignore_eos=args.ignore_eos, max_model_len=args.max_model_len,
-                       clock=args.clock, weights=args.weights)
+                       clock=args.clock, weights=args.weights, draft_weights=args.draft_weights)
 
 
 def log(msg: str) -> None:

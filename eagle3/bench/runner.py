@@ -42,6 +42,7 @@ class BenchConfig:
     max_model_len: int = 2048
     clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
     weights: str = "fp32"                          # our target's GEMM weights: fp32 | bf16 (CPU)
+    draft_weights: str = "auto"                    # the draft's: auto (bf16 where supported) | bf16 | fp32
 
     def __post_init__(self):
         if self.clock not in ("wall", "cpu"):
@@ -169,7 +170,7 @@ def stop_ids_of(engine) -> tuple[int, ...]:
 
 def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> dict[str, SpecParams]:
     """Pack for the CPU (as load_engine does), then ours-plain and the chain and tree shapes."""
-    from ..api import WEIGHT_DTYPES
+    from ..api import WEIGHT_DTYPES, draft_weight_dtype
     from ..models.llama import LlamaModel
     from ..models.packed import pack_for_inference
     before = rss_bytes()
@@ -180,7 +181,7 @@ def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> d
         if isinstance(engine.target, LlamaModel):
             pack_for_inference(engine.target, WEIGHT_DTYPES[cfg.weights])
         if engine.draft is not None:
-            pack_for_inference(engine.draft)
+            pack_for_inference(engine.draft, draft_weight_dtype(cfg.draft_weights))
     shapes = spec_shapes(cfg) if engine.draft is not None else {}
     b.systems += build_ours(engine, shapes)
     b.load_rss_mb["ours"] += (rss_bytes() - before) / 2**20

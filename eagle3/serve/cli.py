@@ -46,7 +46,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
         from ..api import load_engine
         engine = load_engine(model=args.model, draft=args.draft, spec=spec_from_args(args),
                              device=args.device, max_model_len=args.max_model_len,
-                             algorithm=args.algorithm, weights=args.weights)
+                             algorithm=args.algorithm, weights=args.weights,
+                             draft_weights=args.draft_weights)
     except Eagle3Error as e:
         log.error("%s", e)
         return 2
