@@ -1,8 +1,9 @@
 """Write CARD.md for a shipped draft from the run's own records (manifest, config, log, tau json).
 
-    python scripts/write_card.py --run runs/smollm2 --data runs/data --draft eagle3/drafts/smollm2-135m-eagle3 \
-        [--tau runs/smollm2/tau.json]
-Every figure comes from those files; nothing is typed in by hand.
+    python scripts/write_card.py --run runs/smollm2 [--run runs/smollm2_phase3 ...] --data runs/data \
+        --draft eagle3/drafts/smollm2-135m-eagle3 [--tau runs/smollm2/tau.json]
+Several --run: the training phases in order, each warm-started from the previous one (the last one is
+the exported draft). Every figure comes from those files; nothing is typed in by hand.
 """
 from __future__ import annotations
 
@@ -45,6 +46,27 @@ def layer_ids(draft: Path) -> str:
             f"output-of-layer numbering as {out_ids})")
 
 
+def phase_rows(runs: list[Path]) -> list[str]:
+    """One row per training phase: data, steps, tokens, wall time, last held-out estimate."""
+    rows = ["| phase | run | warm start from | conversations | lr | steps | tokens seen | wall s | "
+            "held-out est. tau (last eval) |", "|---|---|---|---|---|---|---|---|---|"]
+    total_steps = total_tokens = 0
+    for i, run in enumerate(runs):
+        cfg = json.loads((run / "train_config.json").read_text())
+        steps, evals = read_log(run / "train_log.jsonl")
+        ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
+        done = [r for r in steps if r["step"] <= ckpt["step"]]
+        wall = sum(r["step_s"] for r in done)
+        tokens = sum(r["tokens"] for r in done)
+        total_steps, total_tokens = total_steps + ckpt["step"], total_tokens + tokens
+        last = [e for e in evals if e["step"] <= ckpt["step"]]
+        est = f"{last[-1]['eval']['est_tau']} (step {last[-1]['step']})" if last else "-"
+        rows.append(f"| {i + 1} | `{run}` | {cfg.get('init_from') or '-'} | {ckpt['num_samples']} | {cfg['lr']} | "
+                    f"{ckpt['step']} | {tokens} | {wall:.0f} | {est} |")
+    rows.append(f"| all | | | | | {total_steps} | {total_tokens} | | |")
+    return rows
+
+
 def held_out_coverage(run: Path, cfg: dict) -> dict:
     from eagle3.train.features import load_conversations
     from eagle3.train.pipeline import split
@@ -59,16 +81,18 @@ def held_out_coverage(run: Path, cfg: dict) -> dict:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--run", type=Path, required=True)
+    ap.add_argument("--run", type=Path, action="append", required=True,
+                    help="training phase run dir; repeat in order (the last is the exported one)")
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--tau", type=Path)
     ap.add_argument("--machine", default=f"{platform.machine()} CPU, {torch.get_num_threads()} threads visible, "
                                          "2 cores shared with other jobs")
     args = ap.parse_args(argv)
+    runs, args.run = args.run, args.run[-1]
     m = json.loads((args.data / "manifest.json").read_text())
     cfg = json.loads((args.run / "train_config.json").read_text())
-    vocab = json.loads((args.run / "vocab.json").read_text())
+    vocab = json.loads((runs[0] / "vocab.json").read_text())
     steps, evals = read_log(args.run / "train_log.jsonl")
     ckpt = torch.load(args.run / "checkpoint.pt", map_location="cpu", weights_only=True)
     wall = steps[-1]["time"] - steps[0]["time"] + steps[0]["step_s"] if steps else 0.0
@@ -84,8 +108,8 @@ def main(argv: list[str]) -> int:
         f"{m['new_tokens']} response tokens, {m['prompt_tokens']} prompt tokens, {m['finished_eos']} ended on "
         f"eos (the rest hit max_new_tokens={m['settings']['max_new_tokens']}); temperatures "
         f"{m['settings']['temperatures']} alternating; {m['wall_s']:.0f} s at {m['new_tokens_per_s']} new tokens/s.",
-        f"- Draft vocabulary: {vocab['draft_vocab_size']} most frequent assistant tokens "
-        f"({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
+        f"- Draft vocabulary (built in phase 1, kept by the warm starts): {vocab['draft_vocab_size']} most "
+        f"frequent assistant tokens ({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
         + ", ".join(f"{k}: {v:.3f}" for k, v in vocab["coverage"].items()) + "; coverage of the held-out "
         "conversations' assistant tokens by the top-Vd of the training ones: "
         + ", ".join(f"{k}: {v:.3f}" for k, v in held_out_coverage(args.run, cfg).items()) + ".",
@@ -94,18 +118,20 @@ def main(argv: list[str]) -> int:
         f"draft-vocab teacher; AdamW {tuple(cfg['betas'])}, lr {cfg['lr']} warmup {cfg['warmup_steps']} + cosine, "
         f"clip {cfg['grad_clip']}, batch {cfg['batch_size']} conversations, max_len {cfg['max_len']}, "
         f"features {cfg['features']}, autocast {cfg['autocast']}.",
-        f"- Checkpoint exported: step {ckpt['step']} (epoch {ckpt['cursor'][0]}, batch {ckpt['cursor'][1]}), "
+        f"- Last phase: step {ckpt['step']} (epoch {ckpt['cursor'][0]}, batch {ckpt['cursor'][1]}), "
         f"{ckpt['num_samples']} conversations in the run, {trained_tokens} tokens seen (with repeats), "
         f"training wall time {wall:.0f} s.",
         f"- Machine: {args.machine}.",
-        "", "## Held-out evaluation during training", "", *eval_table(evals), "",
+        "", "## Training phases", "", *phase_rows(runs), "",
+        "", "## Held-out evaluation during the last phase", "", *eval_table(evals), "",
         "est. tau = 1 + sum_k prod_{j<=k} acc_j: a chain estimate from teacher-forced accuracy, not a decode.",
     ]
     lines += ["", "## Reproduce", "",
               "```", "python scripts/regen_data.py --out runs/data --limit 4000      # resumable; stopped at "
               f"{m['conversations']} here",
-              "python -m eagle3.train --config runs/smollm2/train.toml           # resumes from runs/smollm2/checkpoint.pt",
-              "python scripts/ship_draft.py --run runs/smollm2 --out eagle3/drafts/smollm2-135m-eagle3",
+              *[f"python -m eagle3.train --config {r}/train.toml   # phase {i + 1}; resumes from its checkpoint.pt"
+                for i, r in enumerate(runs)],
+              f"python scripts/ship_draft.py --run {args.run} --out eagle3/drafts/smollm2-135m-eagle3",
               "python scripts/measure_tau.py --draft eagle3/drafts/smollm2-135m-eagle3 --n 80 --temperatures 0,1",
               "```"]
     if args.tau and args.tau.is_file():
