@@ -134,3 +134,28 @@ def test_warm_start_with_more_data_keeps_the_source_vocabulary(tmp_path):
     warm = train(target, more, replace(BASE, init_from=str(tmp_path / "a" / "checkpoint.pt"), max_steps=1),
                  out=tmp_path / "b")
     assert torch.equal(warm.d2t, first.d2t) and torch.equal(warm.t2d, first.t2d)
+
+
+def test_fc_precondition_scales_each_column_update_of_fc_only(tmp_path):
+    """fc_precondition = AdamW on fc in unit-RMS input coordinates: the first update of every fc
+    column is the plain update times median(r)/r; every other parameter moves as without it."""
+    from eagle3.train.pipeline import build_run
+    from eagle3.train.trainer import train_step
+    torch.set_num_threads(1)
+    target = tiny_target(std=1.0)
+    samples = synthetic_samples(target, 12)
+    moved = {}
+    for flag in (False, True):
+        cfg = replace(BASE, fc_precondition=flag)
+        (tmp_path / str(flag)).mkdir()
+        run, model = build_run(target, samples, cfg, Dist(), tmp_path / str(flag))
+        before = weights(model.draft)
+        train_step(run.model, run.opt, run.source, run.train_idx[:4], max(run.lengths[i] for i in run.train_idx[:4]),
+                   cfg.lr, cfg, Dist())
+        moved[flag] = {k: v - before[k] for k, v in weights(model.draft).items() if v.is_floating_point()}
+        scale = model.fc_update_scale
+    assert scale is not None and scale.shape == (3 * 32,) and float(scale.min()) < 1 < float(scale.max())
+    torch.testing.assert_close(moved[True]["fc.weight"], moved[False]["fc.weight"] * scale[None, :])
+    for k in moved[False]:
+        if k != "fc.weight":
+            torch.testing.assert_close(moved[True][k], moved[False][k])

@@ -25,6 +25,7 @@ class TrainConfig:
     aux_layer_ids: Optional[tuple[int, ...]] = None   # "input to layer i"; None = 2, L//2, L-3
     init_from: Optional[str] = None       # start from another run's checkpoint.pt or an exported draft (keeps its vocab)
     fc_init_rms: Optional[float] = 1.0    # rescale the initial fc so fc(aux) has this median RMS (None: off)
+    fc_precondition: bool = False         # AdamW on fc as if its inputs were scaled to unit RMS per dim
     # training-time test
     ttt_steps: int = 7
     step_decay: float = 0.8

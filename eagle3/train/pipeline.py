@@ -103,6 +103,26 @@ def rescale_fc(draft: Eagle3Draft, source: FeatureSource, indices: Sequence[int]
     return factor
 
 
+@torch.no_grad()
+def fc_column_scale(source: FeatureSource, indices: Sequence[int]) -> torch.Tensor:
+    """Per-input-column factors for fc's AdamW updates: median(r) / r, r = RMS of each aux dim.
+
+    The target's residual streams carry a few massive, nearly constant dims (SmolLM2: RMS ~390 in
+    one dim of the layer-27 input vs a median of 12). AdamW moves every weight by about lr whatever
+    its input scale, so fc's columns on those dims swing fc(aux) hardest while the informative
+    dims learn slowly. Multiplying each column's update by median(r) / r is AdamW on fc in
+    coordinates where every input dim has the same RMS (exactly, as AdamW ignores gradient scale
+    per element up to eps); fc and the exported checkpoint keep their usual meaning. Each sample's
+    first token (its attention sink, RMS ~1000) is left out of r. Deterministic in `indices`.
+    """
+    batch = source.batch(list(indices))
+    rows = batch.valid.clone()
+    rows[:, 0] = False
+    aux = batch.aux[rows]
+    r = aux.pow(2).mean(0).sqrt().clamp_min(1e-6)
+    return (r.median() / r).float()
+
+
 def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], cfg: TrainConfig,
                    d: Dist) -> FeatureSource:
     if cfg.features == "online":
@@ -126,6 +146,8 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
     source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d)
     if cfg.fc_init_rms:
         rescale_fc(draft, source, prep.train_idx[:cfg.batch_size], cfg.fc_init_rms)
+    if cfg.fc_precondition:
+        model.fc_update_scale = fc_column_scale(source, prep.train_idx[:cfg.batch_size])
     wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
     ckpt_dir = out or cfg.out_dir
     run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],

@@ -119,7 +119,13 @@ def train_step(model, opt, source: FeatureSource, global_batch: list[int], width
     torch.nn.utils.clip_grad_norm_([p for p in inner.draft.parameters() if p.requires_grad], cfg.grad_clip)
     for g in opt.param_groups:
         g["lr"] = lr
+    scale = inner.fc_update_scale
+    before = inner.draft.fc.weight.detach().clone() if scale is not None else None
     opt.step()
+    if scale is not None:                        # fc_precondition: see pipeline.fc_column_scale
+        with torch.no_grad():
+            w = inner.draft.fc.weight
+            w.copy_(before + (w - before) * scale.to(w.dtype))
     return reduce_stats(stats, d)
 
 

@@ -80,6 +80,7 @@ class TTTModel(nn.Module):
     def __init__(self, draft: Eagle3Draft, teacher_head: torch.Tensor, cfg: TTTConfig = TTTConfig()):
         super().__init__()
         self.draft, self.cfg = draft, cfg
+        self.fc_update_scale: Optional[torch.Tensor] = None   # [k*Ht] per-column AdamW update factor
         used = draft.d2t + torch.arange(draft.d2t.numel())
         # target lm_head rows of the draft vocabulary [Vd, Ht] (frozen teacher)
         self.register_buffer("teacher_head", teacher_head[used].detach().clone(), persistent=False)
