@@ -76,7 +76,10 @@ def held_out_coverage(run: Path, cfg: dict) -> dict:
     tr, ev = split(len(samples), cfg["eval_fraction"])
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in tr), 49152)
     held = count_tokens((samples[i].ids[samples[i].loss_mask] for i in ev), 49152)
-    return {v: float(held[build_vocab(counts, v).used].sum() / held.sum()) for v in (4096, 8192, 12288, 16384, 32768)}
+    out = {v: float(held[build_vocab(counts, v).used].sum() / held.sum()) for v in (4096, 8192, 12288, 16384, 32768)}
+    t2d = torch.load(run / "checkpoint.pt", weights_only=True)["draft"]["t2d"].bool()
+    out["shipped"] = float(held[t2d].sum() / held.sum())
+    return out
 
 
 def main(argv: list[str]) -> int:
@@ -86,6 +89,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--tau", type=Path)
+    ap.add_argument("--extra", type=Path, help="markdown appended after the phase table (e.g. a growth table "
+                    "measured with scripts/eval_draft.py)")
     ap.add_argument("--machine", default=f"{platform.machine()} CPU, {torch.get_num_threads()} threads visible, "
                                          "2 cores shared with other jobs")
     args = ap.parse_args(argv)
@@ -111,8 +116,9 @@ def main(argv: list[str]) -> int:
         f"- Draft vocabulary (built in phase 1, kept by the warm starts): {vocab['draft_vocab_size']} most "
         f"frequent assistant tokens ({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
         + ", ".join(f"{k}: {v:.3f}" for k, v in vocab["coverage"].items()) + "; coverage of the held-out "
-        "conversations' assistant tokens by the top-Vd of the training ones: "
-        + ", ".join(f"{k}: {v:.3f}" for k, v in held_out_coverage(args.run, cfg).items()) + ".",
+        "conversations' assistant tokens by the top-Vd of the last phase's training ones: "
+        + ", ".join(f"{k}: {v:.3f}" for k, v in held_out_coverage(args.run, cfg).items())
+        + " (shipped = the vocabulary this draft carries).",
         "", "## Training",
         f"- Training-time test, {cfg['ttt_steps']} steps, weight {cfg['step_decay']}^k, soft CE on the "
         f"draft-vocab teacher; AdamW {tuple(cfg['betas'])}, lr {cfg['lr']} warmup {cfg['warmup_steps']} + cosine, "
@@ -123,6 +129,7 @@ def main(argv: list[str]) -> int:
         f"training wall time {wall:.0f} s.",
         f"- Machine: {args.machine}.",
         "", "## Training phases", "", *phase_rows(runs), "",
+        *([args.extra.read_text().rstrip("\n"), ""] if args.extra else []),
         "", "## Held-out evaluation during the last phase", "", *eval_table(evals), "",
         "est. tau = 1 + sum_k prod_{j<=k} acc_j: a chain estimate from teacher-forced accuracy, not a decode.",
     ]
