@@ -17,7 +17,7 @@ import torch
 from eagle3.runtime.loader import load_model, resolve_model
 from eagle3.train.config import TrainConfig
 from eagle3.train.features import FeatureSource, load_conversations
-from eagle3.train.pipeline import init_vocab, make_draft, split, warm_start
+from eagle3.train.pipeline import WarmSource, make_draft, split, warm_start
 from eagle3.train.trainer import evaluate
 from eagle3.train.ttt import TTTConfig, TTTModel
 
@@ -38,10 +38,11 @@ def main(argv: list[str]) -> int:
     _, eval_idx = split(len(samples), args.eval_fraction)
     results = []
     for path in map(Path, args.drafts):
-        cfg = TrainConfig(init_from=str(path), autocast="bf16")
-        vocab = init_vocab(path, target.config.vocab_size)
-        model = TTTModel(make_draft(target, cfg, vocab), target.lm_head.weight, TTTConfig())
-        warm_start(model, path)
+        warm = WarmSource.load(path, target.config)
+        cfg = TrainConfig(init_from=str(path), aux_layer_ids=warm.aux_layer_ids, autocast="bf16")
+        model = TTTModel(make_draft(target, cfg, warm.vocab(target.config.vocab_size)),
+                         target.lm_head.weight, TTTConfig())
+        warm_start(model, warm)
         source = FeatureSource(samples, model.draft.config.aux_layer_ids, target=target)
         res = {"draft": str(path), "conversations": len(eval_idx), **evaluate(model, source, eval_idx, 4, cfg)}
         print(json.dumps(res), flush=True)

@@ -159,3 +159,15 @@ def test_fc_precondition_scales_each_column_update_of_fc_only(tmp_path):
     for k in moved[False]:
         if k != "fc.weight":
             torch.testing.assert_close(moved[True][k], moved[False][k])
+
+
+def test_warm_start_from_a_draft_trained_on_other_layers_is_refused(tmp_path):
+    from eagle3.errors import ContractError
+    torch.set_num_threads(1)
+    target = tiny_target(std=1.0)
+    samples = synthetic_samples(target, 12)
+    train(target, samples, replace(BASE, max_steps=1), out=tmp_path / "a")       # default ids
+    other = replace(BASE, max_steps=1, aux_layer_ids=(1, 3, 5),
+                    init_from=str(tmp_path / "a" / "checkpoint.pt"))
+    with pytest.raises(ContractError, match="aux_layer_ids"):
+        train(target, samples, other, out=tmp_path / "b")

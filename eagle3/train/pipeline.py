@@ -20,10 +20,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from ..errors import ContractError, InputError
+from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
 from ..spec.draft import DraftConfig, Eagle3Draft
 from .config import TrainConfig
-from .features import FeatureCache, FeatureSource, Sample, build_cache, load_conversations
+from .features import Batch, FeatureCache, FeatureSource, Sample, build_cache, load_conversations
 from .trainer import Cursor, Dist, Run, TrainState, load_checkpoint, make_optimizer, restore, train_loop
 from .ttt import TTTConfig, TTTModel
 from .vocab import DraftVocab, build_vocab, count_tokens, coverage
@@ -47,12 +48,13 @@ def split(num: int, eval_fraction: float) -> tuple[list[int], list[int]]:
     return [i for i in range(num) if i % every != every - 1], [i for i in range(num) if i % every == every - 1]
 
 
-def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optional[Path]) -> Prepared:
+def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optional[Path],
+            warm: Optional["WarmSource"] = None) -> Prepared:
     train_idx, eval_idx = split(len(samples), cfg.eval_fraction)
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in train_idx), vocab_size)
-    if cfg.init_from:
+    if warm is not None:
         # a warm start keeps the source's draft vocabulary, so more data can be added to a run
-        vocab = init_vocab(Path(cfg.init_from), vocab_size)
+        vocab = warm.vocab(vocab_size)
     else:
         vocab = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size))
     if out is not None:
@@ -63,14 +65,31 @@ def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optio
     return Prepared(samples, train_idx, eval_idx, vocab)
 
 
-def init_vocab(path: Path, vocab_size: int) -> DraftVocab:
-    """The draft vocabulary (d2t, t2d) of a warm-start source: a checkpoint.pt or an exported draft."""
-    state = warm_state(path, torch.float32)
-    d2t, t2d = state["d2t"].long(), state["t2d"].bool()
-    if t2d.numel() != vocab_size:
-        raise ContractError("t2d", f"{t2d.numel()} entries in {path}", f"the target vocab {vocab_size}",
-                            "warm-start only from a draft trained for this target")
-    return DraftVocab(d2t + torch.arange(d2t.numel()), d2t, t2d)
+class WarmSource(NamedTuple):
+    """A warm-start source (`init_from`), read once: its draft tensors and the capture ids its fc
+    was trained on."""
+    path: Path
+    state: dict[str, torch.Tensor]
+    aux_layer_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, path: Path, target: ModelConfig) -> "WarmSource":
+        """A run's checkpoint.pt or an exported draft directory (e.g. the shipped one)."""
+        if path.is_dir():
+            from ..spec.formats import load_draft
+            draft = load_draft(path, dtype=torch.float32).draft
+            state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
+            return cls(path, state, tuple(draft.config.aux_layer_ids))
+        ckpt = load_checkpoint(path)
+        ids = json.loads(ckpt["config"]).get("aux_layer_ids") or target.default_aux_layer_ids
+        return cls(path, ckpt["draft"], tuple(ids))
+
+    def vocab(self, vocab_size: int) -> DraftVocab:
+        d2t, t2d = self.state["d2t"].long(), self.state["t2d"].bool()
+        if t2d.numel() != vocab_size:
+            raise ContractError("t2d", f"{t2d.numel()} entries in {self.path}", f"the target vocab {vocab_size}",
+                                "warm-start only from a draft trained for this target")
+        return DraftVocab(d2t + torch.arange(d2t.numel()), d2t, t2d)
 
 
 def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle3Draft:
@@ -88,14 +107,14 @@ def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle
 
 
 @torch.no_grad()
-def rescale_fc(draft: Eagle3Draft, source: FeatureSource, indices: Sequence[int], rms: float) -> float:
-    """Scale the initial fc so fc(aux) has median per-token RMS `rms` on these samples; returns the factor.
+def rescale_fc(draft: Eagle3Draft, batch: Batch, rms: float) -> float:
+    """Scale the initial fc so fc(aux) has median per-token RMS `rms` on this batch; returns the factor.
 
     Targets carry massive activations (SmolLM2: aux norms ~100-600, 25k on the first token), so a
     default-initialised fc makes fc(aux) dwarf the attention and MLP outputs that carry the token
     embedding, and the draft learns slowly. The factor is computed on the first samples (deterministic).
     """
-    aux = source.batch(list(indices)).aux
+    aux = batch.aux
     valid = aux.abs().sum(-1) > 0
     out = draft.fc(aux[valid])
     factor = rms / float(out.pow(2).mean(-1).sqrt().median())
@@ -104,7 +123,7 @@ def rescale_fc(draft: Eagle3Draft, source: FeatureSource, indices: Sequence[int]
 
 
 @torch.no_grad()
-def fc_column_scale(source: FeatureSource, indices: Sequence[int]) -> torch.Tensor:
+def fc_column_scale(batch: Batch) -> torch.Tensor:
     """Per-input-column factors for fc's AdamW updates: median(r) / r, r = RMS of each aux dim.
 
     The target's residual streams carry a few massive, nearly constant dims (SmolLM2: RMS ~390 in
@@ -113,9 +132,8 @@ def fc_column_scale(source: FeatureSource, indices: Sequence[int]) -> torch.Tens
     dims learn slowly. Multiplying each column's update by median(r) / r is AdamW on fc in
     coordinates where every input dim has the same RMS (exactly, as AdamW ignores gradient scale
     per element up to eps); fc and the exported checkpoint keep their usual meaning. Each sample's
-    first token (its attention sink, RMS ~1000) is left out of r. Deterministic in `indices`.
+    first token (its attention sink, RMS ~1000) is left out of r. Deterministic in the batch.
     """
-    batch = source.batch(list(indices))
     rows = batch.valid.clone()
     rows[:, 0] = False
     aux = batch.aux[rows]
@@ -139,15 +157,17 @@ def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], c
 
 
 def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist,
-              out: Optional[Path]) -> tuple[Run, TTTModel]:
-    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None)
+              out: Optional[Path], warm: Optional[WarmSource] = None) -> tuple[Run, TTTModel]:
+    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None, warm)
     draft = make_draft(target, cfg, prep.vocab)
     model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay))
     source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d)
+    # fc statistics on the first training batch (deterministic, so a resumed run gets the same)
+    first = source.batch(prep.train_idx[:cfg.batch_size]) if cfg.fc_init_rms or cfg.fc_precondition else None
     if cfg.fc_init_rms:
-        rescale_fc(draft, source, prep.train_idx[:cfg.batch_size], cfg.fc_init_rms)
+        rescale_fc(draft, first, cfg.fc_init_rms)
     if cfg.fc_precondition:
-        model.fc_update_scale = fc_column_scale(source, prep.train_idx[:cfg.batch_size])
+        model.fc_update_scale = fc_column_scale(first)
     wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
     ckpt_dir = out or cfg.out_dir
     run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],
@@ -160,33 +180,30 @@ def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist =
     """Train (resuming from out/checkpoint.pt when present) and return the draft."""
     out = out or cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
-    run, model = build_run(target, samples, cfg, d, out)
+    warm = WarmSource.load(Path(cfg.init_from), target.config) if cfg.init_from else None
+    run, model = build_run(target, samples, cfg, d, out, warm)
     state = TrainState(0, Cursor(0, 0))
     if run.ckpt.is_file():
         state = restore(run.ckpt, model, run.opt)
-    elif cfg.init_from:
-        warm_start(model, Path(cfg.init_from))
+    elif warm is not None:
+        warm_start(model, warm)
     train_loop(run, cfg, state, d, progress)
     return model.draft
 
 
-def warm_start(model: TTTModel, ckpt_path: Path) -> None:
-    """Draft weights (not optimizer, not schedule) from another run's checkpoint.pt, or from an
-    exported draft directory (e.g. the shipped one); vocab buffers must match."""
-    state = warm_state(ckpt_path, model.draft.fc.weight.dtype)
+def warm_start(model: TTTModel, warm: WarmSource) -> None:
+    """Draft weights (not optimizer, not schedule) from a warm-start source; its vocabulary and the
+    layers its fc reads must be this run's (shapes are checked by load_state_dict)."""
+    ids = tuple(model.draft.config.aux_layer_ids)
+    if warm.aux_layer_ids != ids:
+        raise ContractError("aux_layer_ids", f"{list(warm.aux_layer_ids)} in {warm.path}", list(ids),
+                            f"set aux_layer_ids = {list(warm.aux_layer_ids)} in the training config "
+                            "(its fc was trained on those layers), or start without init_from")
     for key in ("d2t", "t2d"):
-        if not torch.equal(state[key], getattr(model.draft, key)):
-            raise ContractError(key, f"{key} of {ckpt_path}", f"{key} of this run",
+        if not torch.equal(warm.state[key], getattr(model.draft, key)):
+            raise ContractError(key, f"{key} of {warm.path}", f"{key} of this run",
                                 "warm-start only from a run with the same draft vocabulary")
-    model.draft.load_state_dict({**state, "embed_tokens.weight": model.draft.embed_tokens.weight})
-
-
-def warm_state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    if not path.is_dir():
-        return load_checkpoint(path)["draft"]
-    from ..spec.formats import load_draft
-    loaded = load_draft(path, dtype=dtype)
-    return {k: v for k, v in loaded.draft.state_dict().items() if k != "embed_tokens.weight"}
+    model.draft.load_state_dict({**warm.state, "embed_tokens.weight": model.draft.embed_tokens.weight})
 
 
 # ---------------------------------------------------------------------------- entry point
