@@ -49,6 +49,24 @@ def draft_weight_dtype(choice: str) -> torch.dtype:
     return WEIGHT_DTYPES[choice]
 
 
+def pack_engine_weights(target, draft, device: torch.device, weights: str = "fp32",
+                        draft_weights: str = "auto") -> None:
+    """Prepack target and draft for CPU inference in place (nothing to do on other devices);
+    `weights`/`draft_weights` as in load_engine."""
+    from .models.llama import LlamaModel
+    from .models.packed import pack_for_inference
+    if weights not in WEIGHT_DTYPES:
+        raise InputError(f"weights={weights!r}: choose one of {sorted(WEIGHT_DTYPES)}")
+    if weights != "fp32" and not (device.type == "cpu" and isinstance(target, LlamaModel)):
+        raise InputError(f"weights={weights} needs the native model packed on the CPU")
+    if device.type != "cpu":
+        return
+    if isinstance(target, LlamaModel):
+        pack_for_inference(target, WEIGHT_DTYPES[weights])
+    if draft is not None:
+        pack_for_inference(draft, draft_weight_dtype(draft_weights))
+
+
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
                 device: Optional[str] = None, dtype: torch.dtype = torch.float32,
                 max_model_len: int = 2048, algorithm: Optional[str] = None,
@@ -65,8 +83,6 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     depend on batch shape). draft_weights: the draft's GEMM weights on CPU, "auto" (bf16 where
     oneDNN has bf16 kernels, else fp32), "bf16" or "fp32". The draft only proposes tokens, so its
     precision changes acceptance, never the output: speculation stays lossless either way."""
-    from .models.llama import LlamaModel
-    from .models.packed import pack_for_inference
     dev = pick_device(device)
     target, tokenizer = load_target(model, dev, dtype)
     draft_path = default_draft_path(model) if draft == "default" else (
@@ -79,13 +95,8 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
                             target=target)
         check_pair(target.config, loaded.draft, algorithm, target, loaded.info)
         drafter = loaded.draft.requires_grad_(False)
-    if weights not in WEIGHT_DTYPES:
-        raise InputError(f"weights={weights!r}: choose one of {sorted(WEIGHT_DTYPES)}")
-    if weights != "fp32" and not (pack and dev.type == "cpu" and isinstance(target, LlamaModel)):
-        raise InputError(f"weights={weights} needs the native model packed on the CPU")
-    if pack and dev.type == "cpu":
-        if isinstance(target, LlamaModel):
-            pack_for_inference(target, WEIGHT_DTYPES[weights])
-        if drafter is not None:
-            pack_for_inference(drafter, draft_weight_dtype(draft_weights))
+    if pack:
+        pack_engine_weights(target, drafter, dev, weights, draft_weights)
+    elif weights != "fp32":
+        raise InputError(f"weights={weights!r} needs the native model packed on the CPU (pack=True)")
     return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len)

@@ -31,6 +31,11 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, help="tree: draft forwards per step")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="tree: nodes verified per step, root included")
+    add_precision_args(p)
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """--weights / --draft-weights (generate, serve, bench)."""
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
                    help="target GEMM weights on CPU: fp32 (exact, default) or bf16 (faster with "
                         "AVX512-BF16, but logits depend on the block size: greedy speculative "

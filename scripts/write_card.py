@@ -67,17 +67,17 @@ def phase_rows(runs: list[Path]) -> list[str]:
     return rows
 
 
-def held_out_coverage(run: Path, cfg: dict) -> dict:
+def held_out_coverage(ckpt: dict, cfg: dict) -> dict:
     from eagle3.train.features import load_conversations
     from eagle3.train.pipeline import split
     from eagle3.train.vocab import build_vocab, count_tokens
     samples = load_conversations(Path(cfg["data"]), cfg["max_len"])
-    samples = samples[:torch.load(run / "checkpoint.pt", weights_only=True)["num_samples"]]
+    samples = samples[:ckpt["num_samples"]]
     tr, ev = split(len(samples), cfg["eval_fraction"])
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in tr), 49152)
     held = count_tokens((samples[i].ids[samples[i].loss_mask] for i in ev), 49152)
     out = {v: float(held[build_vocab(counts, v).used].sum() / held.sum()) for v in (4096, 8192, 12288, 16384, 32768)}
-    t2d = torch.load(run / "checkpoint.pt", weights_only=True)["draft"]["t2d"].bool()
+    t2d = ckpt["draft"]["t2d"].bool()
     out["shipped"] = float(held[t2d].sum() / held.sum())
     return out
 
@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
         f"frequent assistant tokens ({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
         + ", ".join(f"{k}: {v:.3f}" for k, v in vocab["coverage"].items()) + "; coverage of the held-out "
         "conversations' assistant tokens by the top-Vd of the last phase's training ones: "
-        + ", ".join(f"{k}: {v:.3f}" for k, v in held_out_coverage(args.run, cfg).items())
+        + ", ".join(f"{k}: {v:.3f}" for k, v in held_out_coverage(ckpt, cfg).items())
         + " (shipped = the vocabulary this draft carries).",
         "", "## Training",
         f"- Training-time test, {cfg['ttt_steps']} steps, weight {cfg['step_decay']}^k, soft CE on the "

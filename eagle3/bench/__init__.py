@@ -19,6 +19,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..cli import add_precision_args
 from ..errors import InputError
 from ..spec.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
@@ -58,13 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu = process CPU seconds instead of wall (with --threads 1, on a machine "
                         "shared with other jobs; llama.cpp-eagle3 keeps its own wall timers)")
-    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
-                   help="our target's GEMM weights on the CPU (bf16: faster, but not the fp32 "
-                        "model HF runs, and its logits depend on a forward's row count, so greedy "
-                        "speculative output can differ from plain decoding; the bench checks it)")
-    p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="the draft's GEMM weights on the CPU (auto: bf16 where oneDNN supports it; "
-                        "the draft only proposes, so output stays identical either way)")
+    add_precision_args(p)           # --weights, --draft-weights (the identity check reports bf16 drift)
     p.add_argument("--chain-depth", type=int, default=5, help="ours-chain and llama.cpp-eagle3 depth")
     p.add_argument("--tree", default="4,5,8", help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (HF, llama.cpp)")

@@ -170,18 +170,10 @@ def stop_ids_of(engine) -> tuple[int, ...]:
 
 def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> dict[str, SpecParams]:
     """Pack for the CPU (as load_engine does), then ours-plain and the chain and tree shapes."""
-    from ..api import WEIGHT_DTYPES, draft_weight_dtype
-    from ..models.llama import LlamaModel
-    from ..models.packed import pack_for_inference
+    from ..api import pack_engine_weights
     before = rss_bytes()
-    on_cpu = engine.target.embed_tokens.weight.device.type == "cpu"
-    if cfg.weights != "fp32" and not (on_cpu and isinstance(engine.target, LlamaModel)):
-        raise InputError(f"--weights {cfg.weights} needs the native model on the CPU")
-    if on_cpu:
-        if isinstance(engine.target, LlamaModel):
-            pack_for_inference(engine.target, WEIGHT_DTYPES[cfg.weights])
-        if engine.draft is not None:
-            pack_for_inference(engine.draft, draft_weight_dtype(cfg.draft_weights))
+    pack_engine_weights(engine.target, engine.draft, engine.target.embed_tokens.weight.device,
+                        cfg.weights, cfg.draft_weights)
     shapes = spec_shapes(cfg) if engine.draft is not None else {}
     b.systems += build_ours(engine, shapes)
     b.load_rss_mb["ours"] += (rss_bytes() - before) / 2**20
