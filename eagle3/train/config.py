@@ -14,7 +14,7 @@ from ..errors import InputError
 class TrainConfig:
     target: Optional[str] = None          # None = packaged SmolLM2
     out: str = "runs/train"
-    data: Optional[str] = None            # conversations.jsonl (regen.py); None = <out>/data
+    data: Optional[str | tuple[str, ...]] = None   # conversations.jsonl file(s), read in order; None = <out>/data
     # data generation (when data is missing)
     num_prompts: int = 2000
     regen_max_new_tokens: int = 256
@@ -52,8 +52,10 @@ class TrainConfig:
         return Path(self.out)
 
     @property
-    def data_path(self) -> Path:
-        return Path(self.data) if self.data else self.out_dir / "data" / "conversations.jsonl"
+    def data_paths(self) -> list[Path]:
+        if not self.data:
+            return [self.out_dir / "data" / "conversations.jsonl"]
+        return [Path(p) for p in ((self.data,) if isinstance(self.data, str) else self.data)]
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

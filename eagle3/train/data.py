@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 from ..errors import LoadError
 
@@ -33,6 +33,7 @@ class PromptFilter:
 class Prompt:
     id: str
     text: str
+    response: Optional[str] = None  # the dataset's own first assistant reply, when it has one
 
 
 class PromptStats(dict):
@@ -131,7 +132,8 @@ def first_human_turns(records: Iterator[dict]) -> Iterator[Prompt]:
     for rec in records:
         conv = rec.get("conversations") or []
         if conv and conv[0].get("from") == "human" and isinstance(conv[0].get("value"), str):
-            yield Prompt(str(rec.get("id")), conv[0]["value"])
+            reply = conv[1].get("value") if len(conv) > 1 and conv[1].get("from") == "gpt" else None
+            yield Prompt(str(rec.get("id")), conv[0]["value"], reply if isinstance(reply, str) else None)
 
 
 def select_prompts(sharegpt: Path, mtbench: Path, filt: PromptFilter = PromptFilter(),
@@ -147,7 +149,7 @@ def select_prompts(sharegpt: Path, mtbench: Path, filt: PromptFilter = PromptFil
             stats[reason] = stats.get(reason, 0) + 1
             continue
         seen.add(text_hash(text))
-        out.append(Prompt(p.id, text))
+        out.append(Prompt(p.id, text, p.response))
         if limit and len(out) >= limit:
             break
     stats["kept"] = len(out)

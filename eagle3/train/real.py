@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -19,10 +18,10 @@ from .regen import RegenConfig, RegenJob, run_regen
 from .trainer import Dist, load_checkpoint
 
 
-def ensure_data(cfg: TrainConfig, target, tokenizer, source_name: str) -> Path:
-    path = cfg.data_path
+def ensure_data(cfg: TrainConfig, target, tokenizer, source_name: str) -> None:
     if cfg.data:                                  # given explicitly: use as is
-        return path
+        return
+    path = cfg.data_paths[0]
     path.parent.mkdir(parents=True, exist_ok=True)
     prompts, stats = select_prompts(sharegpt_json(), mtbench_questions(), PromptFilter(), cfg.num_prompts)
     rcfg = RegenConfig(max_new_tokens=cfg.regen_max_new_tokens, batch_size=cfg.regen_batch_size,
@@ -30,11 +29,10 @@ def ensure_data(cfg: TrainConfig, target, tokenizer, source_name: str) -> Path:
     job = RegenJob(prompts, path, path.parent / "manifest.json",
                    {"prompts": "ShareGPT V3 first human turns", "target": source_name, "selection": dict(stats)})
     run_regen(target, tokenizer, job, rcfg, progress=lambda **kw: tqdm(desc="data", mininterval=10, **kw))
-    return path
 
 
-def load_samples(cfg: TrainConfig, path: Path) -> list:
-    samples = load_conversations(path, cfg.max_len)
+def load_samples(cfg: TrainConfig) -> list:
+    samples = [s for path in cfg.data_paths for s in load_conversations(path, cfg.max_len)]
     ckpt = cfg.out_dir / "checkpoint.pt"
     if ckpt.is_file():                            # resume on the same data even if the file grew
         samples = samples[:load_checkpoint(ckpt)["num_samples"]]
@@ -48,12 +46,11 @@ def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     if d.main:
         (cfg.out_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        data = ensure_data(cfg, target, tokenizer, src.name)
+        ensure_data(cfg, target, tokenizer, src.name)
     if d.world > 1:
         torch.distributed.barrier()
-    data = cfg.data_path
     t0 = time.time()
-    draft = train(target, load_samples(cfg, data), cfg, d,
+    draft = train(target, load_samples(cfg), cfg, d,
                   progress=lambda **kw: tqdm(desc="train", mininterval=5, **kw))
     if d.main:
         out = save_draft(draft, cfg.out_dir / "draft", "specforge", target.config)

@@ -7,6 +7,11 @@ max_new_tokens) leave the batch, so the cache shrinks with the live rows.
 
 Output: one JSON line per conversation {id, prompt, temperature, prompt_ids, response_ids, finish};
 response_ids ends with the eos token when finish == "eos". A manifest json sits next to it.
+
+`write_dataset_responses` writes the same format with the dataset's own assistant reply instead
+(finish = "dataset", temperature null): no generation cost. The training labels are the target's
+distribution at every position either way; only the context the draft sees differs from what the
+target itself would have written.
 """
 from __future__ import annotations
 
@@ -170,6 +175,47 @@ def run_regen(model: LlamaModel, tokenizer, job: RegenJob, cfg: RegenConfig,
     if bar:
         bar.close()
     return manifest
+
+
+def write_dataset_responses(tokenizer, job: RegenJob, eos_id: int, max_prompt_tokens: int = 256,
+                            max_response_tokens: int = 448, exclude: frozenset[str] = frozenset(),
+                            limit: Optional[int] = None) -> dict:
+    """Conversations = chat-templated prompt + the dataset's reply + eos, for prompts not in
+    job.out_jsonl or `exclude` (e.g. ids already regenerated); resumable; returns the manifest."""
+    have = done_ids(job.out_jsonl)
+    manifest = json.loads(job.manifest.read_text()) if job.manifest.is_file() else {
+        "source": job.source, "responses": "dataset", "max_prompt_tokens": max_prompt_tokens,
+        "max_response_tokens": max_response_tokens, "conversations": 0, "response_tokens": 0,
+        "prompt_tokens": 0, "skipped": {}}
+    skipped = manifest["skipped"]
+    with open(job.out_jsonl, "a", encoding="utf-8") as f:
+        for p in job.prompts:
+            if limit is not None and manifest["conversations"] >= limit:
+                break
+            if p.id in have or p.id in exclude:
+                continue
+            reason = _reply_problem(p.response)
+            ids = encode_prompt(tokenizer, p.text) if reason is None else []
+            if reason is None and len(ids) > max_prompt_tokens:
+                reason = "long_prompt"
+            if reason:
+                skipped[reason] = skipped.get(reason, 0) + 1
+                continue
+            reply = tokenizer.encode(p.response.strip(), add_special_tokens=False)
+            resp = reply[:max_response_tokens] + ([eos_id] if len(reply) <= max_response_tokens else [])
+            f.write(json.dumps({"id": p.id, "prompt": p.text, "temperature": None, "prompt_ids": ids,
+                                "response_ids": resp, "finish": "dataset"}) + "\n")
+            manifest["conversations"] += 1
+            manifest["response_tokens"] += len(resp)
+            manifest["prompt_tokens"] += len(ids)
+    write_json_atomic(job.manifest, manifest)
+    return manifest
+
+
+def _reply_problem(reply: Optional[str]) -> Optional[str]:
+    if not reply or len(reply.strip()) < 8:
+        return "no_reply"
+    return "non_english_reply" if sum(c.isascii() for c in reply) / len(reply) < 0.9 else None
 
 
 def _chunks(items: list, n: int) -> list[list]:
