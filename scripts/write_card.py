@@ -46,6 +46,19 @@ def layer_ids(draft: Path) -> str:
             f"output-of-layer numbering as {out_ids})")
 
 
+def phase_summary(run: Path) -> dict:
+    """step and num_samples of a run's final checkpoint, kept in <run>/phase.json so the card can be
+    rebuilt after the (large, uncommitted) checkpoint is gone."""
+    path = run / "phase.json"
+    if (run / "checkpoint.pt").is_file():
+        ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
+        path.write_text(json.dumps({"step": ckpt["step"], "num_samples": ckpt["num_samples"],
+                                    "cursor": list(ckpt["cursor"])}, indent=2) + "\n")
+    if not path.is_file():
+        raise SystemExit(f"{run}: neither checkpoint.pt nor phase.json")
+    return json.loads(path.read_text())
+
+
 def phase_rows(runs: list[Path]) -> list[str]:
     """One row per training phase: data, steps, tokens, wall time, last held-out estimate."""
     rows = ["| phase | run | warm start from | conversations | lr | steps | tokens seen | wall s | "
@@ -54,7 +67,7 @@ def phase_rows(runs: list[Path]) -> list[str]:
     for i, run in enumerate(runs):
         cfg = json.loads((run / "train_config.json").read_text())
         steps, evals = read_log(run / "train_log.jsonl")
-        ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
+        ckpt = phase_summary(run)
         done = [r for r in steps if r["step"] <= ckpt["step"]]
         wall = sum(r["step_s"] for r in done)
         tokens = sum(r["tokens"] for r in done)
@@ -71,7 +84,9 @@ def held_out_coverage(ckpt: dict, cfg: dict) -> dict:
     from eagle3.train.features import load_conversations
     from eagle3.train.pipeline import split
     from eagle3.train.vocab import build_vocab, count_tokens
-    samples = load_conversations(Path(cfg["data"]), cfg["max_len"])
+    from eagle3.train.config import TrainConfig
+    paths = TrainConfig.from_dict({k: v for k, v in cfg.items()}).data_paths
+    samples = [s for p in paths for s in load_conversations(p, cfg["max_len"])]
     samples = samples[:ckpt["num_samples"]]
     tr, ev = split(len(samples), cfg["eval_fraction"])
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in tr), 49152)
@@ -86,7 +101,9 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--run", type=Path, action="append", required=True,
                     help="training phase run dir; repeat in order (the last is the exported one)")
-    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--data", type=Path, required=True, help="the regenerated data dir (its manifest.json)")
+    ap.add_argument("--dataset-replies", type=Path, action="append", default=[],
+                    help="data dirs written with regen_data.py --responses dataset (their manifest.json)")
     ap.add_argument("--draft", type=Path, required=True)
     ap.add_argument("--tau", type=Path)
     ap.add_argument("--extra", type=Path, help="markdown appended after the phase table (e.g. a growth table "
@@ -113,6 +130,11 @@ def main(argv: list[str]) -> int:
         f"{m['new_tokens']} response tokens, {m['prompt_tokens']} prompt tokens, {m['finished_eos']} ended on "
         f"eos (the rest hit max_new_tokens={m['settings']['max_new_tokens']}); temperatures "
         f"{m['settings']['temperatures']} alternating; {m['wall_s']:.0f} s at {m['new_tokens_per_s']} new tokens/s.",
+        *[f"- ShareGPT's own first replies (`{d}`, no generation; the labels are still the target's "
+          f"distribution): {dm['conversations']} conversations, {dm['response_tokens']} response tokens, "
+          f"{dm['prompt_tokens']} prompt tokens (replies cut at {dm['max_response_tokens']} tokens; skipped: "
+          f"{json.dumps(dm['skipped'])}); ids already regenerated excluded."
+          for d, dm in ((d, json.loads((d / "manifest.json").read_text())) for d in args.dataset_replies)],
         f"- Draft vocabulary (built in phase 1, kept by the warm starts): {vocab['draft_vocab_size']} most "
         f"frequent assistant tokens ({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
         + ", ".join(f"{k}: {v:.3f}" for k, v in vocab["coverage"].items()) + "; coverage of the held-out "
@@ -136,6 +158,9 @@ def main(argv: list[str]) -> int:
     lines += ["", "## Reproduce", "",
               "```", "python scripts/regen_data.py --out runs/data --limit 4000      # resumable; stopped at "
               f"{m['conversations']} here",
+              *[f"python scripts/regen_data.py --responses dataset --out {d} --limit 9000 --exclude "
+                f"{args.data}/conversations.jsonl --max-conversations "
+                f"{json.loads((d / 'manifest.json').read_text())['conversations']}" for d in args.dataset_replies],
               *[f"python -m eagle3.train --config {r}/train.toml   # phase {i + 1}; resumes from its checkpoint.pt"
                 for i, r in enumerate(runs)],
               f"python scripts/ship_draft.py --run {args.run} --out eagle3/drafts/smollm2-135m-eagle3",
