@@ -1,5 +1,4 @@
 import json
-import socket
 from dataclasses import replace
 
 import pytest
@@ -64,15 +63,10 @@ def test_data_order_and_schedule():
     assert lr_at(100, 100, cfg) == pytest.approx(0.1) and lr_at(55, 100, cfg) == pytest.approx(0.55)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ddp_worker(rank, port, out, result):
+def _ddp_worker(rank, store, out, result):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # a file store, not a TCP port: no race with another process taking a "free" port
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     target = tiny_target()
     samples = synthetic_samples(target, 12)
     draft = train(target, samples, BASE, Dist(rank, 2), out=out)
@@ -86,7 +80,7 @@ def test_ddp_two_ranks_match_one_process(tmp_path):
     target = tiny_target()
     one = weights(train(target, synthetic_samples(target, 12), BASE, out=tmp_path / "one"))
     result = tmp_path / "ddp.pt"
-    mp.spawn(_ddp_worker, args=(_free_port(), tmp_path / "ddp", result), nprocs=2, join=True)
+    mp.spawn(_ddp_worker, args=(tmp_path / "store", tmp_path / "ddp", result), nprocs=2, join=True)
     two = torch.load(result, weights_only=True)
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5)
