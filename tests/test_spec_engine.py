@@ -288,3 +288,29 @@ def test_draft_weights_choice_is_checked():
     assert draft_weight_dtype("fp32") == torch.float32
     with pytest.raises(InputError, match="draft_weights='int4'"):
         draft_weight_dtype("int4")
+
+
+# ---------------------------------------------------------------------------- early stop
+@pytest.mark.parametrize("spec", [SpecParams(3, 4, 6), SpecParams(4, 5, 8), SpecParams(2, 6, 4)], ids=str)
+def test_drafting_stops_early_only_when_the_tree_cannot_change(target, spec):
+    """`_settled` ends drafting once no deeper node can be kept: the tree equals the full expansion's."""
+    draft = tiny_draft(target, seed=3)
+    dec, _ = run_decoder(target, draft, spec, steps=0)
+    calls = {"early": 0, "full": 0}
+    for _ in range(12):
+        level = dec._draft_level
+        trees = {}
+        for mode in ("early", "full"):
+            dec._settled = (lambda *a: False) if mode == "full" else SpecDecoder._settled.__get__(dec)
+
+            def counted(*a, _mode=mode, **kw):
+                calls[_mode] += 1
+                return level(*a, **kw)
+            dec._draft_level = counted
+            trees[mode] = dec.draft_tree()
+        for a, b in zip(trees["early"], trees["full"]):
+            assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        del dec._settled, dec._draft_level                  # the step drafts with the class's own
+        dec.step()
+    assert calls["full"] == 12 * (spec.depth - 1)
+    assert calls["early"] < calls["full"]      # a random draft is unsure: the stop does happen

@@ -119,6 +119,8 @@ class SpecDecoder:
         hidden = self.head.hidden.expand(spec.top_k, -1)               # [K, H]
         ancestors = self.eye[:, :0]                                    # [K, rows so far]
         for depth in range(1, spec.depth):
+            if self._settled(levels, frontier):
+                break
             out = self._draft_level(frontier, hidden, ancestors, position=n + depth - 1)
             offset = sum(lv.scores.numel() for lv in levels)
             frontier, level = expand(frontier, out.logits[0], spec.top_k, offset)
@@ -127,6 +129,20 @@ class SpecDecoder:
             ancestors = torch.cat([ancestors, self.eye], dim=1)[frontier.rows]
         self.draft_cache.truncate(n)
         return self._layout(concat_levels(levels), n)
+
+    def _settled(self, levels: list[Level], frontier: Frontier) -> bool:
+        """True when no deeper candidate can enter the tree, so drafting can stop with the same tree.
+
+        A child's score is its parent's plus a log-prob <= 0, so nothing below the frontier beats the
+        frontier's best; if that is no better than the (num_draft_tokens-1)-th best candidate so far,
+        the kept set is final (ties go to the earlier candidate, and deeper ones come later). Checked
+        on the CPU only: on CUDA the test would be a host sync per level.
+        """
+        need = self.spec.num_draft_tokens - 1
+        if self.device.type != "cpu" or sum(lv.scores.numel() for lv in levels) < need:
+            return False
+        kth = torch.cat([lv.scores for lv in levels]).topk(need).values[-1]
+        return bool(frontier.scores.max() <= kth)
 
     def _draft_level(self, frontier: Frontier, hidden: torch.Tensor, ancestors: torch.Tensor,
                      position: int):
