@@ -37,6 +37,13 @@ def tau_table(tau: dict) -> list[str]:
     return rows
 
 
+def dataset_command(d: Path) -> str:
+    """The regen_data.py line that rebuilds a dataset-reply dir (all 8784 kept prompts fit in --limit 9000)."""
+    dm = json.loads((d / "manifest.json").read_text())
+    return (f"python scripts/regen_data.py --responses dataset --out {d} --limit 9000 --exclude "
+            f"{' '.join(dm['source']['excluded_ids_from'])} --max-conversations {dm['conversations']}")
+
+
 def layer_ids(draft: Path) -> str:
     hf = json.loads((draft / "config.json").read_text())
     out_ids = hf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
@@ -132,7 +139,7 @@ def main(argv: list[str]) -> int:
         *[f"- ShareGPT's own first replies (`{d}`, no generation; the labels are still the target's "
           f"distribution): {dm['conversations']} conversations, {dm['response_tokens']} response tokens, "
           f"{dm['prompt_tokens']} prompt tokens (replies cut at {dm['max_response_tokens']} tokens; skipped: "
-          f"{json.dumps(dm['skipped'])}); ids already regenerated excluded."
+          f"{json.dumps(dm['skipped'])}); ids of the earlier data files excluded."
           for d, dm in ((d, json.loads((d / "manifest.json").read_text())) for d in args.dataset_replies)],
         f"- Draft vocabulary (built in phase 1, kept by the warm starts): {vocab['draft_vocab_size']} most "
         f"frequent assistant tokens ({vocab['distinct_tokens']} distinct seen); coverage of training assistant tokens: "
@@ -157,9 +164,7 @@ def main(argv: list[str]) -> int:
     lines += ["", "## Reproduce", "",
               "```", "python scripts/regen_data.py --out runs/data --limit 4000      # resumable; stopped at "
               f"{m['conversations']} here",
-              *[f"python scripts/regen_data.py --responses dataset --out {d} --limit 9000 --exclude "
-                f"{args.data}/conversations.jsonl --max-conversations "
-                f"{json.loads((d / 'manifest.json').read_text())['conversations']}" for d in args.dataset_replies],
+              *[dataset_command(d) for d in args.dataset_replies],
               *[f"python -m eagle3.train --config {r}/train.toml   # phase {i + 1}; resumes from its checkpoint.pt"
                 for i, r in enumerate(runs)],
               f"python scripts/ship_draft.py --run {args.run} --out eagle3/drafts/smollm2-135m-eagle3",
