@@ -31,6 +31,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--depth", type=int, default=None, help="tree: draft forwards per step")
     p.add_argument("--num-draft-tokens", type=int, default=None,
                    help="tree: nodes verified per step, root included")
+    p.add_argument("--min-prob", type=float, default=None,
+                   help="tree: verify only draft tokens whose path probability under the draft is >= "
+                        "this (dynamic tree size; 0 = always --num-draft-tokens)")
     add_precision_args(p)
 
 
@@ -49,7 +52,8 @@ def spec_from_args(args: argparse.Namespace):
     from .spec.tree import SpecParams
     base = SpecParams()
     return SpecParams(top_k=args.top_k or base.top_k, depth=args.depth or base.depth,
-                      num_draft_tokens=args.num_draft_tokens or base.num_draft_tokens)
+                      num_draft_tokens=args.num_draft_tokens or base.num_draft_tokens,
+                      min_prob=base.min_prob if args.min_prob is None else args.min_prob)
 
 
 def generate_cmd(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
 from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
                                  tree_vs_chain_text)
 from eagle3.bench.roofline import measure, read_bytes_per_forward, verify_costs
-from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run
+from eagle3.bench.runner import BenchConfig, Failures, Setup, context_len, rotate, run, spec_shapes
 from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_divergence,
                                 greedy_identity, ratios)
 from eagle3.bench.systems import GenParams, HFSystem, build_ours, cut_at_stop
@@ -127,6 +127,14 @@ def test_quick_and_tune_presets():
     cfg = config_from(parse_args(["--tune"]))
     assert cfg.systems == ("ours-*",) and cfg.temperatures == (0.0,)
     assert parse_shapes("1,3,9;2,3,5") == (SpecParams.chain(3), SpecParams(2, 3, 5))
+    assert parse_shapes("4,5,8,0.05;1,4,0,0.1") == (SpecParams(4, 5, 8, 0.05), SpecParams.chain(4, 0.1))
+    cfg = config_from(parse_args(["--tune", "--temperatures", "1,0"]))
+    assert cfg.temperatures == (1.0,)
+    cfg = config_from(parse_args(["--tree", "4,5,8,0.02"]))
+    assert cfg.tree == SpecParams(4, 5, 8, 0.02) and "ours-tree4x5n8p0.02" in spec_shapes(cfg)
+    for bad in ("4,5", "4,5,8,x", "a,b,c"):
+        with pytest.raises(InputError, match="TOP_K,DEPTH,NUM_DRAFT_TOKENS"):
+            parse_shapes(bad)
     assert config_from(parse_args(["--clock", "cpu", "--threads", "1"])).clock == "cpu"
     with pytest.raises(InputError, match="threads 1"):
         config_from(parse_args(["--clock", "cpu", "--threads", "2"]))

@@ -22,6 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 PROMPT = [5, 9, 12, 7, 30, 2]
 SHAPES = [SpecParams.chain(1), SpecParams.chain(4), SpecParams(3, 1, 4), SpecParams(2, 3, 6),
           SpecParams(3, 4, 10), SpecParams(4, 5, 16)]
+DYNAMIC = [SpecParams(4, 5, 8, min_prob=0.05), SpecParams(3, 4, 10, min_prob=0.3),
+           SpecParams.chain(4, min_prob=0.2)]
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
 
 
@@ -95,6 +97,17 @@ def test_greedy_identical_with_oracle_draft(target, reference, spec):
     assert result.token_ids == reference
     assert result.tau >= 1.0 + 0.5 * min(spec.depth, 2)   # most proposals are accepted
     assert all(s.proposed == spec.num_draft_tokens - 1 for s in result.decode_steps)
+
+
+@pytest.mark.parametrize("spec", DYNAMIC, ids=str)
+def test_greedy_identical_with_dynamic_tree_size(target, reference, spec):
+    sizes = set()
+    for draft in (tiny_draft(target), oracle_draft(target, PROMPT + reference)):
+        result = spec_engine(target, draft, spec).generate(prompt_ids=PROMPT, params=GREEDY)
+        assert result.token_ids == reference
+        sizes |= {s.proposed for s in result.decode_steps}
+    assert min(sizes) >= 1 and len(sizes) > 1          # the verified tree really varies in size
+    assert max(sizes) <= spec.num_draft_tokens - 1
 
 
 def test_greedy_identical_with_eagle1_draft(target, reference):
@@ -173,7 +186,8 @@ def greedy_oracle(target, prompt: list[int], params: SamplingParams):
     (SamplingParams(temperature=1.0, seed=0), SpecParams(3, 2, 6), False),
     (SamplingParams(temperature=0.8, top_p=0.7, seed=1), SpecParams(2, 3, 5), True),
     (SamplingParams(temperature=1.2, top_k=3, seed=2), SpecParams.chain(2), True),
-], ids=["t1-tree-random", "top_p-tree-oracle", "top_k-chain-oracle"])
+    (SamplingParams(temperature=1.0, seed=3), SpecParams(3, 3, 8, min_prob=0.2), True),
+], ids=["t1-tree-random", "top_p-tree-oracle", "top_k-chain-oracle", "t1-dynamic-oracle"])
 def test_sampling_is_lossless(params, spec, oracle):
     """Tokens from spec steps follow exactly the distribution plain sampling draws from."""
     target = tiny_target(3, vocab=8, std=0.5)
@@ -291,7 +305,8 @@ def test_draft_weights_choice_is_checked():
 
 
 # ---------------------------------------------------------------------------- early stop
-@pytest.mark.parametrize("spec", [SpecParams(3, 4, 6), SpecParams(4, 5, 8), SpecParams(2, 6, 4)], ids=str)
+@pytest.mark.parametrize("spec", [SpecParams(3, 4, 6), SpecParams(4, 5, 8), SpecParams(2, 6, 4),
+                                  SpecParams(4, 5, 8, min_prob=0.05)], ids=str)
 def test_drafting_stops_early_only_when_the_tree_cannot_change(target, spec):
     """`_settled` ends drafting once no deeper node can be kept: the tree equals the full expansion's."""
     draft = tiny_draft(target, seed=3)
@@ -307,7 +322,8 @@ def test_drafting_stops_early_only_when_the_tree_cannot_change(target, spec):
                 calls[_mode] += 1
                 return level(*a, **kw)
             dec._draft_level = counted
-            trees[mode] = dec.draft_tree()
+            with torch.inference_mode():
+                trees[mode] = dec.draft_tree()
         for a, b in zip(trees["early"], trees["full"]):
             assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
         del dec._settled, dec._draft_level                  # the step drafts with the class's own

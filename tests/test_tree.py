@@ -1,6 +1,8 @@
 """Dynamic tree construction: spec validation, expansion, pruning, mask/positions/paths."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -60,6 +62,19 @@ def test_select_keeps_best_in_candidate_order_with_parents_mapped():
     sel = select_nodes(level, 5)                  # keep 4 best: cands 0, 2, 4, 1
     assert sel.cand_idx.tolist() == [0, 1, 2, 4]
     assert sel.parents.tolist() == [-1, 0, 0, 1, 3]
+
+
+def test_select_with_min_prob_keeps_only_likely_paths():
+    scores = torch.tensor([-0.1, -1.0, -0.3, -2.0, -0.5, -3.0])
+    parents = torch.tensor([-1, -1, 0, 0, 2, 1])
+    level = concat_levels([(scores, torch.arange(6), parents)])
+    assert select_nodes(level, 5, math.log(0.55)).cand_idx.tolist() == [0, 2, 4]   # p .90 .74 .61
+    assert select_nodes(level, 3, math.log(0.55)).cand_idx.tolist() == [0, 2]      # the cap still holds
+    assert select_nodes(level, 5, math.log(0.95)).cand_idx.tolist() == [0]         # never empty
+    assert select_nodes(level, 5, -math.inf).cand_idx.tolist() == [0, 1, 2, 4]
+    assert SpecParams(min_prob=0.05).min_score == pytest.approx(math.log(0.05))
+    with pytest.raises(InputError, match="min_prob"):
+        SpecParams(min_prob=1.0)
 
 
 def test_select_is_parent_closed_under_ties():

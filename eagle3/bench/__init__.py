@@ -28,6 +28,7 @@ from .runner import BenchConfig, build, machine_info, run
 from .roofline import Roofline
 from .stats import Record
 from .systems import GenParams, RunResult, System
+from .tune import parse_shape
 from .workload import BenchPrompt, load_questions, make_prompts, select_questions
 
 __all__ = ["bench_main", "BenchConfig", "build", "run", "Record", "GenParams", "RunResult", "System",
@@ -37,21 +38,14 @@ QUICK = dict(prompts=3, max_new_tokens=32)
 TUNE = dict(prompts=4, max_new_tokens=64)
 
 
-def parse_tree(text: str) -> SpecParams:
-    try:
-        k, d, n = (int(x) for x in text.split(","))
-    except ValueError:
-        raise InputError(f"--tree wants TOP_K,DEPTH,NUM_DRAFT_TOKENS (e.g. 4,5,8), got {text!r}")
-    return SpecParams(k, d, n)
-
-
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="eagle3 bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="target (default: packaged SmolLM2 GGUF)")
     p.add_argument("--draft", default="default", help="draft dir; 'default' = the shipped draft")
     p.add_argument("--prompts", type=int, default=None, help="MT-bench prompts (default 80)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
-    p.add_argument("--temperatures", default="0,1", help="comma-separated (default 0,1)")
+    p.add_argument("--temperatures", default=None, help="comma-separated (default 0,1; --tune: 0, "
+                   "or the first one given)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="CPU threads for every system "
                    "(default: all cores this process may use)")
@@ -61,7 +55,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "shared with other jobs; llama.cpp-eagle3 keeps its own wall timers)")
     add_precision_args(p)           # --weights, --draft-weights (the identity check reports bf16 drift)
     p.add_argument("--chain-depth", type=int, default=5, help="ours-chain and llama.cpp-eagle3 depth")
-    p.add_argument("--tree", default="4,5,8", help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS")
+    p.add_argument("--tree", default=None, help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS[,MIN_PROB] "
+                   "(default: the engine's default tree)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (HF, llama.cpp)")
     p.add_argument("--systems", default=None, help="comma-separated names, '*' suffix = prefix "
                    "(e.g. ours-*,hf-generate); default: all available")
@@ -69,7 +64,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="3 prompts, 32 new tokens")
     p.add_argument("--tune", action="store_true", help="measure tree shapes, print the best")
-    p.add_argument("--tune-shapes", default=None, help="'K,D,N;K,D,N' for --tune (K=1: chain)")
+    p.add_argument("--tune-shapes", default=None, help="'K,D,N[,P];K,D,N[,P]' for --tune (K=1: chain, "
+                   "P: min_prob)")
     p.add_argument("--no-roofline", action="store_true", help="skip the memory-bound comparison")
     p.add_argument("--out", default="runs/bench", help="directory for bench.json and the plots")
     p.add_argument("--no-plots", action="store_true")
@@ -81,17 +77,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def config_from(args: argparse.Namespace) -> BenchConfig:
     preset = TUNE if args.tune else QUICK if args.quick else {}
-    temps = tuple(float(t) for t in args.temperatures.split(",") if t.strip())
+    temps = tuple(float(t) for t in (args.temperatures or "0,1").split(",") if t.strip())
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                                else os.cpu_count() or 1)
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else None
     if args.tune:
-        systems, temps = ("ours-*",), (0.0,)
+        systems, temps = ("ours-*",), temps[:1] if args.temperatures else (0.0,)
     return BenchConfig(model=args.model, draft=args.draft,
                        prompts=args.prompts or preset.get("prompts", 80),
                        max_new_tokens=args.max_new_tokens or preset.get("max_new_tokens", 256),
                        temperatures=temps, seed=args.seed, threads=threads, device=args.device,
-                       chain_depth=args.chain_depth, tree=parse_tree(args.tree),
+                       chain_depth=args.chain_depth, tree=parse_shape(args.tree) if args.tree else SpecParams(),
                        prompt_lookup=args.prompt_lookup, systems=systems,
                        ignore_eos=args.ignore_eos, max_model_len=args.max_model_len,
                        clock=args.clock, weights=args.weights, draft_weights=args.draft_weights)
@@ -215,7 +211,7 @@ def tune_main(args: argparse.Namespace, cfg: BenchConfig, setup) -> int:
         raise InputError("--tune needs a draft: " + "; ".join(r for _, r in setup.skipped))
     shapes = parse_shapes(args.tune_shapes)
     log(f"tuning {len(shapes)} shapes on {len(setup.prompts)} prompts, {cfg.max_new_tokens} "
-        "tokens, greedy")
+        f"tokens, temperature {cfg.temperatures[0]:g}")
     costs = verify_costs(setup.target, clock=clock_of(cfg))
     print(costs_text(costs))
     rows = tune(cfg, setup, shapes, progress=not args.no_progress)

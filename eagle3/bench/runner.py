@@ -83,7 +83,7 @@ def spec_shapes(cfg: BenchConfig) -> dict[str, SpecParams]:
     chain = SpecParams.chain(cfg.chain_depth)
     t = cfg.tree
     return {f"ours-chain{cfg.chain_depth}": chain,
-            f"ours-tree{t.top_k}x{t.depth}n{t.num_draft_tokens}": t}
+            f"ours-tree{t.top_k}x{t.depth}n{t.num_draft_tokens}" + (f"p{t.min_prob:g}" if t.min_prob else ""): t}
 
 
 def wanted(cfg: BenchConfig, name: str) -> bool:

@@ -2,7 +2,8 @@
 
 On a CPU the verify forward grows with the tree much sooner than on a GPU, so the best
 depth/top_k/num_draft_tokens is measured on the machine, interleaved with plain decoding
-(greedy, same prompts), and ranked by the median per-prompt speedup over plain.
+(greedy unless --temperatures says otherwise, same prompts), and ranked by the median per-prompt
+speedup over plain.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from ..errors import InputError
 from ..spec.tree import SpecParams
 from .runner import BenchConfig, Setup, gen_params, on_cpu_clock, rotate
 from .systems import OursSystem, build_ours
@@ -31,20 +33,34 @@ class TuneRow:
 
     @property
     def label(self) -> str:
-        s = self.spec
-        return f"chain depth {s.depth}" if s.is_chain else \
-            f"top_k {s.top_k} depth {s.depth} tokens {s.num_draft_tokens}"
+        return shape_label(self.spec)
 
 
 def parse_shapes(text: Optional[str]) -> tuple[SpecParams, ...]:
-    """'K,D,N;K,D,N' (K = 1 makes a chain and N is ignored)."""
+    """'K,D,N[,P];K,D,N[,P]' (K = 1 makes a chain and N is ignored; P = min_prob, default 0)."""
     if not text:
         return DEFAULT_SHAPES
-    shapes = []
-    for part in text.split(";"):
-        k, d, n = (int(x) for x in part.split(","))
-        shapes.append(SpecParams.chain(d) if k == 1 else SpecParams(k, d, n))
-    return tuple(shapes)
+    return tuple(parse_shape(part) for part in text.split(";"))
+
+
+def parse_shape(text: str) -> SpecParams:
+    """'K,D,N' or 'K,D,N,P' -> SpecParams (K = 1: a chain of depth D)."""
+    parts = text.split(",")
+    try:
+        if len(parts) not in (3, 4):
+            raise ValueError
+        k, d, n = (int(x) for x in parts[:3])
+        p = float(parts[3]) if len(parts) == 4 else 0.0
+    except ValueError:
+        raise InputError(f"a tree shape is TOP_K,DEPTH,NUM_DRAFT_TOKENS[,MIN_PROB] (e.g. 4,5,8 or "
+                         f"4,5,8,0.05), got {text!r}")
+    return SpecParams.chain(d, p) if k == 1 else SpecParams(k, d, n, p)
+
+
+def shape_label(s: SpecParams) -> str:
+    base = f"chain depth {s.depth}" if s.is_chain else \
+        f"top_k {s.top_k} depth {s.depth} tokens {s.num_draft_tokens}"
+    return base + (f" p>={s.min_prob:g}" if s.min_prob else "")
 
 
 def tune(cfg: BenchConfig, setup: Setup, shapes: tuple[SpecParams, ...], progress: bool = True
@@ -60,7 +76,7 @@ def tune(cfg: BenchConfig, setup: Setup, shapes: tuple[SpecParams, ...], progres
     for i, prompt in enumerate(setup.prompts):
         for s in rotate(systems, i):
             cpu0 = time.process_time()
-            res = s.run(prompt, gen_params(cfg, setup, 0.0, prompt))
+            res = s.run(prompt, gen_params(cfg, setup, cfg.temperatures[0], prompt))
             if cfg.clock == "cpu":
                 res = on_cpu_clock(res, time.process_time() - cpu0)
             runs[s.name].append(res)
@@ -90,7 +106,7 @@ def tune_text(rows: list[TuneRow]) -> str:
     lines += [f"{r.label:<34} {r.tokens_per_s:>7.1f} {r.speedup:>8.2f} {r.tau:>5.2f} "
               f"{r.step_ms:>8.1f}" for r in rows]
     best = rows[0].spec
-    lines.append(f"best on this machine: top_k {best.top_k}, depth {best.depth}, num_draft_tokens "
-                 f"{best.num_draft_tokens}\n  eagle3 generate --top-k {best.top_k} --depth "
-                 f"{best.depth} --num-draft-tokens {best.num_draft_tokens} ...")
+    lines.append(f"best on this machine: {shape_label(best)}\n  eagle3 generate --top-k {best.top_k} "
+                 f"--depth {best.depth} --num-draft-tokens {best.num_draft_tokens} "
+                 f"--min-prob {best.min_prob:g} ...")
     return "\n".join(lines)

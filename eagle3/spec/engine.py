@@ -135,14 +135,19 @@ class SpecDecoder:
 
         A child's score is its parent's plus a log-prob <= 0, so nothing below the frontier beats the
         frontier's best; if that is no better than the (num_draft_tokens-1)-th best candidate so far,
-        the kept set is final (ties go to the earlier candidate, and deeper ones come later). Checked
-        on the CPU only: on CUDA the test would be a host sync per level.
+        the kept set is final (ties go to the earlier candidate, and deeper ones come later). The
+        same holds when the frontier's best is below spec.min_prob. Checked on the CPU only: on CUDA
+        the test would be a host sync per level.
         """
-        need = self.spec.num_draft_tokens - 1
-        if self.device.type != "cpu" or sum(lv.scores.numel() for lv in levels) < need:
+        if self.device.type != "cpu":
             return False
-        kth = torch.cat([lv.scores for lv in levels]).topk(need).values[-1]
-        return bool(frontier.scores.max() <= kth)
+        best = float(frontier.scores.max())
+        if best < self.spec.min_score:
+            return True
+        need = self.spec.num_draft_tokens - 1
+        if sum(lv.scores.numel() for lv in levels) < need:
+            return False
+        return best <= float(torch.cat([lv.scores for lv in levels]).topk(need).values[-1])
 
     def _draft_level(self, frontier: Frontier, hidden: torch.Tensor, ancestors: torch.Tensor,
                      position: int):
@@ -155,7 +160,7 @@ class SpecDecoder:
         return self.draft(ids[None], positions, self.draft_cache, hidden=hidden[None], attn_mask=mask)
 
     def _layout(self, cands: Level, prefix_len: int) -> Tree:
-        sel = select_nodes(cands, self.spec.num_draft_tokens)
+        sel = select_nodes(cands, self.spec.num_draft_tokens, self.spec.min_score)
         tokens = torch.cat([self.root, self.draft.to_target_ids(cands.tokens[sel.cand_idx])])
         return build_tree(tokens, sel.parents, prefix_len, self.spec.depth)
 

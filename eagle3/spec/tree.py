@@ -4,8 +4,9 @@ Pure tensor code, no model. The draft loop in engine.py calls, per draft forward
 
     frontier, level = expand(frontier, draft_logits, top_k, offset)
 
-and after `depth` levels `select_nodes` keeps the best `num_draft_tokens - 1` candidates and
-`build_tree` turns their parents into the verification layout.
+and after `depth` levels `select_nodes` keeps the best `num_draft_tokens - 1` candidates (only those
+whose path probability reaches `min_prob`, when set) and `build_tree` turns their parents into the
+verification layout.
 
 Index spaces (candidate index c = order of creation, level by level; tree index t = verify row):
 
@@ -20,6 +21,7 @@ monotonic); ties are broken by the lower candidate index, so the kept set is clo
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,12 +33,21 @@ from ..errors import InputError
 @dataclass(frozen=True)
 class SpecParams:
     """Tree shape: `top_k` children per expanded node and frontier width, `depth` draft levels,
-    `num_draft_tokens` verified nodes including the root. top_k = 1 is a chain of `depth` tokens."""
+    `num_draft_tokens` verified nodes including the root. top_k = 1 is a chain of `depth` tokens.
+
+    `min_prob` > 0 makes the size dynamic: a candidate is verified only if the draft's probability of
+    its whole path is >= min_prob (at least one draft token per step). On a CPU every verified row
+    costs target compute, so nodes that will almost surely be rejected slow the step down; on a GPU
+    the verify cost is flat in the tree size and 0 (always num_draft_tokens) is the usual choice.
+    """
     top_k: int = 4
     depth: int = 5
     num_draft_tokens: int = 8
+    min_prob: float = 0.0
 
     def __post_init__(self):
+        if not 0.0 <= self.min_prob < 1.0:
+            raise InputError(f"spec min_prob must be in [0, 1), got {self.min_prob}")
         for name in ("top_k", "depth"):
             if getattr(self, name) < 1:
                 raise InputError(f"spec {name} must be >= 1, got {getattr(self, name)}")
@@ -51,8 +62,13 @@ class SpecParams:
                 f"<= {self.max_candidates + 1} or raise depth/top_k")
 
     @classmethod
-    def chain(cls, depth: int) -> "SpecParams":
-        return cls(top_k=1, depth=depth, num_draft_tokens=depth + 1)
+    def chain(cls, depth: int, min_prob: float = 0.0) -> "SpecParams":
+        return cls(top_k=1, depth=depth, num_draft_tokens=depth + 1, min_prob=min_prob)
+
+    @property
+    def min_score(self) -> float:
+        """min_prob as a cumulative log-prob bound (-inf when off)."""
+        return math.log(self.min_prob) if self.min_prob > 0 else -math.inf
 
     @property
     def is_chain(self) -> bool:
@@ -127,10 +143,14 @@ class Selection(NamedTuple):
     parents: torch.Tensor    # [T] tree index of each node's parent; parents[0] = -1 (root)
 
 
-def select_nodes(cands: Level, num_nodes: int) -> Selection:
-    """Keep the best `num_nodes - 1` candidates by cumulative score, in candidate order."""
+def select_nodes(cands: Level, num_nodes: int, min_score: float = -math.inf) -> Selection:
+    """Keep the best `num_nodes - 1` candidates by cumulative score, in candidate order; with a finite
+    `min_score` only those scoring >= min_score, but at least one (the count is read on the host)."""
     order = torch.sort(cands.scores, descending=True, stable=True).indices
-    kept = order[:num_nodes - 1].sort().values                  # [T-1]
+    take = num_nodes - 1
+    if min_score > -math.inf:
+        take = max(1, min(take, int((cands.scores >= min_score).sum())))
+    kept = order[:take].sort().values                           # [T-1]
     tree_idx = torch.full_like(cands.parents, -1)
     tree_idx[kept] = torch.arange(1, kept.numel() + 1, device=kept.device)
     par = cands.parents[kept]
