@@ -237,6 +237,14 @@ def test_monitor_warns_once_when_nothing_is_accepted(caplog):
     assert mon.tau == pytest.approx(1 + 2 / 18)
 
 
+def test_monitor_ignores_plain_steps_on_an_engine_with_a_draft(caplog):
+    mon = AcceptanceMonitor(window=8)
+    with caplog.at_level(logging.WARNING, logger="eagle3.spec"):
+        for _ in range(20):
+            mon.observe(Step([1], 0, proposed=0))     # speculative=False: nothing was proposed
+    assert mon.steps == 0 and not mon.degraded and not caplog.records
+
+
 def test_engine_monitor_sees_acceptance(target, reference):
     engine = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 3, 6))
     result = engine.generate(prompt_ids=PROMPT, params=GREEDY)

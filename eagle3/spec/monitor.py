@@ -35,7 +35,10 @@ class AcceptanceMonitor:
         self.warned = False
 
     def observe(self, step: Step) -> None:
-        """Record one decode step (not the prefill)."""
+        """Record one decode step (not the prefill). A step that verified no draft token (plain
+        decoding on an engine that has a draft) says nothing about acceptance and is skipped."""
+        if step.proposed <= 0:
+            return
         self.steps += 1
         self.proposed += step.proposed
         self.accepted += step.drafted
