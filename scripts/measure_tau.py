@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from eagle3.api import load_engine
+from eagle3.bench.tune import parse_shape
 from eagle3.generate import SamplingParams
 from eagle3.runtime.assets import mtbench_questions
 
@@ -45,10 +46,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tree", default=None, help="TOP_K,DEPTH,NUM_DRAFT_TOKENS[,MIN_PROB] "
+                    "(default: the engine's default tree)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = load_engine(None, args.draft, device="cpu")
+    engine = load_engine(None, args.draft, parse_shape(args.tree) if args.tree else None, device="cpu")
     depth = engine.spec.depth if getattr(engine, "spec", None) else 8
     res = [measure(engine, first_turns(args.n), float(t), args.max_new_tokens, depth)
            for t in args.temperatures.split(",")]
