@@ -62,6 +62,11 @@ def test_dataset_replies_are_templated_terminated_resumable(sources, tmp_path):
     assert len(cut["response_ids"]) == 2 and tok.eos_token_id not in cut["response_ids"]
     job3 = RegenJob(prompts, tmp_path / "e.jsonl", tmp_path / "o.json", {})
     assert write_dataset_responses(tok, job3, 2, exclude=frozenset({"r0"}))["conversations"] == 0
+    # a fresh checkout keeps the committed manifest but not the ignored jsonl: it is rebuilt, not
+    # taken as done
+    job.out_jsonl.unlink()
+    assert write_dataset_responses(tok, job, tok.eos_token_id) == m
+    assert len(job.out_jsonl.read_text().splitlines()) == 1
 
 
 def test_data_files_are_read_in_order(tmp_path):

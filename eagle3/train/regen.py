@@ -183,7 +183,7 @@ def write_dataset_responses(tokenizer, job: RegenJob, eos_id: int, max_prompt_to
     """Conversations = chat-templated prompt + the dataset's reply + eos, for prompts not in
     job.out_jsonl or `exclude` (e.g. ids already regenerated); resumable; returns the manifest."""
     have = done_ids(job.out_jsonl)
-    manifest = json.loads(job.manifest.read_text()) if job.manifest.is_file() else {
+    manifest = json.loads(job.manifest.read_text()) if have and job.manifest.is_file() else {
         "source": job.source, "responses": "dataset", "max_prompt_tokens": max_prompt_tokens,
         "max_response_tokens": max_response_tokens, "conversations": 0, "response_tokens": 0,
         "prompt_tokens": 0, "skipped": {}}
@@ -251,7 +251,9 @@ def _generate_rows(model, rows, cfg: RegenConfig, eos_ids, pad_id) -> tuple[list
 
 
 def _load_manifest(job: RegenJob, cfg: RegenConfig) -> dict:
-    if job.manifest.is_file():
+    # a manifest counts what its jsonl holds: without the jsonl (a fresh checkout keeps the committed
+    # manifest but not the ignored data) it describes nothing and the run starts from zero
+    if job.manifest.is_file() and done_ids(job.out_jsonl):
         m = json.loads(job.manifest.read_text())
         m["resumed"] = m.get("resumed", 0) + 1
         return m
