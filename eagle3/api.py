@@ -62,7 +62,8 @@ def pack_engine_weights(target, draft, device: torch.device, weights: str = "fp3
     if device.type != "cpu":
         return
     if isinstance(target, LlamaModel):
-        pack_for_inference(target, WEIGHT_DTYPES[weights])
+        # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
+        pack_for_inference(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
     if draft is not None:
         pack_for_inference(draft, draft_weight_dtype(draft_weights))
 
@@ -77,10 +78,10 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     contract is checked here, before anything runs). pack: prepack weights for CPU inference.
     weights: "fp32" (exact: matches the fp32 checkpoint / HF transformers, and greedy speculation is
     token-identical to plain decoding) or "bf16" (target GEMM weights in bf16 on CPUs with oneDNN:
-    ~1.3-1.6x faster forwards here, but NOT bit-stable: a row's logits depend on how many rows the
-    forward holds (up to ~0.4 apart between an 8-row verify and single-token decode), so greedy
-    speculative output can differ from plain decoding at near-ties, as on GPU engines whose kernels
-    depend on batch shape). draft_weights: the draft's GEMM weights on CPU, "auto" (bf16 where
+    faster forwards, logits within ~1% of fp32; the target is then packed row-stable, so a verify
+    block and one-token decode give bit-identical logits and speculation stays lossless against
+    bf16 plain decoding; without that an 8-row verify and single-token decode were up to 0.31
+    apart and greedy outputs diverged). draft_weights: the draft's GEMM weights on CPU, "auto" (bf16 where
     oneDNN has bf16 kernels, else fp32), "bf16" or "fp32". The draft only proposes tokens, so its
     precision changes acceptance, never the output: speculation stays lossless either way."""
     dev = pick_device(device)

@@ -40,9 +40,9 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """--weights / --draft-weights (generate, serve, bench)."""
     p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
-                   help="target GEMM weights on CPU: fp32 (exact, default) or bf16 (faster with "
-                        "AVX512-BF16, but logits depend on the block size: greedy speculative "
-                        "output may differ from plain decoding at near-ties)")
+                   help="target GEMM weights on CPU: fp32 (matches HF transformers, default) or "
+                        "bf16 (faster with AVX512-BF16; a different model numerically, but verify "
+                        "and decode stay bit-identical, so speculation stays lossless)")
     p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
                    help="draft GEMM weights on CPU (auto: bf16 where oneDNN supports it); the draft "
                         "only proposes, so the output is the same either way")

@@ -33,10 +33,11 @@ class StubTokenizer:
         return " ".join(str(i) for i in ids)
 
 
-def tiny_target(seed: int = 0, vocab: int = 32, std: float = 0.3, layers: int = 4) -> LlamaModel:
+def tiny_target(seed: int = 0, vocab: int = 32, std: float = 0.3, layers: int = 4,
+                hidden: int = 32, intermediate: int = 64) -> LlamaModel:
     torch.manual_seed(seed)
     cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
-                               "hidden_size": 32, "intermediate_size": 64,
+                               "hidden_size": hidden, "intermediate_size": intermediate,
                                "num_hidden_layers": layers, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "max_position_embeddings": 256})
     model = LlamaModel(cfg)

@@ -69,8 +69,37 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
+def row_stable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention whose result for a query row does not depend on the other rows of the call.
+
+    q [B, H, T, D], k/v [B, Hkv, S, D] (fp32), mask bool broadcastable to [B, 1, T, S] or None.
+    SDPA's CPU kernels pick their blocking by the number of query rows, so a token's output in an
+    8-token verify block differs in the last bits from the same token decoded alone. Scores,
+    softmax and the weighted sum run in fp64 and round to fp32 once at the end: reordering a sum
+    of fp64 terms moves it by ~1e-16, which survives the rounding to fp32 with negligible
+    probability. With bf16 GEMM weights (where any input bit flips the bf16 rounding and the
+    difference grows layer by layer) this keeps verify and decode bit-identical.
+    """
+    b, h, t, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    g = h // hkv                                   # query heads per KV head (GQA)
+    scores = q.double().reshape(b, hkv, g * t, d) @ k.double().transpose(-1, -2)
+    scores = scores * (1.0 / math.sqrt(d))
+    if mask is not None:
+        keep = mask.expand(b, 1, t, s).reshape(b, 1, 1, t, s)
+        scores = scores.view(b, hkv, g, t, s).masked_fill(~keep, float("-inf")).view(b, hkv, g * t, s)
+    out = torch.softmax(scores, dim=-1) @ v.double()
+    return out.view(b, h, t, d).float()
+
+
 class Attention(nn.Module):
-    """GQA self-attention whose keys/values live in a caller-owned static cache buffer."""
+    """GQA self-attention whose keys/values live in a caller-owned static cache buffer.
+
+    `row_stable` (set by models.packed for low-precision weights) swaps SDPA for
+    row_stable_attention."""
+
+    row_stable = False
 
     def __init__(self, hidden_in: int, hidden_out: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, qkv_bias: bool = False, o_bias: bool = False,
@@ -106,9 +135,12 @@ class Attention(nn.Module):
         end = start + seq
         k_buf[:, :, start:end] = k
         v_buf[:, :, start:end] = v.transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=mask,
-            enable_gqa=self.num_kv_heads != self.num_heads)
+        if self.row_stable:
+            out = row_stable_attention(q, k_buf[:, :, :end], v_buf[:, :, :end], mask)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=mask,
+                enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

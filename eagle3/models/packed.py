@@ -48,7 +48,9 @@ class PackedLinear(nn.Module):
         rows = x.numel() // self.in_features
         if self.weight_t is None:  # low-precision weights, fp32 activations in and out
             flat = x.reshape(rows, self.in_features).to(self.weight_dtype)
-            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "").float()
+            if rows == 1:  # oneDNN's one-row kernel rounds differently: run it as two rows
+                flat = torch.cat([flat, flat])
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")[:rows].float()
             y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
         if self.packed is None or (rows == 1 and torch.get_num_threads() == 1):
@@ -67,16 +69,22 @@ def _cat_linear(*layers: nn.Linear, weight_dtype: torch.dtype) -> PackedLinear:
 
 
 @torch.no_grad()
-def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float32) -> nn.Module:
+def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float32,
+                       row_stable: bool = False) -> nn.Module:
     """Fuse q/k/v and gate/up and swap every nn.Linear for a PackedLinear, in place (frozen models).
 
     weight_dtype=torch.bfloat16 stores the GEMM weights in bf16 (activations stay fp32): half the
     memory traffic, and fast on CPUs with AVX512-BF16. The model then differs numerically from
-    the fp32 checkpoint, and oneDNN's bf16 kernels make a row's result depend on the number of
-    rows in the call, so verify (many rows) and decode (one row) can disagree at near-ties.
+    the fp32 checkpoint. Every bf16 input rounding amplifies a last-bit difference, so a verify
+    block (many rows) and single-token decode only agree when each row's result is independent of
+    the call's other rows: PackedLinear runs one-row calls as two rows (oneDNN's one-row kernel
+    rounds differently), and row_stable=True (for a target whose greedy speculative output must
+    equal its plain decoding) makes the attention row-stable too (layers.row_stable_attention).
     """
     from .layers import MLP, Attention
     for module in list(model.modules()):
+        if isinstance(module, Attention):
+            module.row_stable = row_stable
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
             module.qkv = _cat_linear(module.q_proj, module.k_proj, module.v_proj,
                                      weight_dtype=weight_dtype)
