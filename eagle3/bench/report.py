@@ -9,7 +9,7 @@ from typing import Optional
 from .stats import (Identity, Record, Spread, acceptance_per_position, greedy_identity, ratios,
                     tau_pooled)
 
-VS = ("hf-generate", "ours-plain", "llama.cpp", "llama.cpp-eagle3")   # ratio columns, if present
+VS = ("hf-generate", "hf-generate-bf16", "ours-plain", "llama.cpp", "llama.cpp-eagle3")  # ratio columns, if present
 CHILD_PROCESS = ("llama.cpp-eagle3",)                                 # runs outside this process
 
 

@@ -147,7 +147,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
                  weight_bytes, b.load_rss_mb)
 
 
-ORDER = ("ours-plain", "ours-spec", "hf-generate", "hf-prompt-lookup", "llama.cpp",
+ORDER = ("ours-plain", "ours-spec", "hf-generate", "hf-generate-bf16", "hf-prompt-lookup", "llama.cpp",
          "llama.cpp-prompt-lookup", "llama.cpp-eagle3")
 
 
@@ -182,8 +182,9 @@ def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> d
 
 
 def add_peers(cfg: BenchConfig, b: Builder, src, device: str) -> None:
-    if any(wanted(cfg, n) for n in ("hf-generate", "hf-prompt-lookup")):
-        b.add("hf", lambda: build_hf(src.hf_dir, device, cfg.prompt_lookup))
+    if any(wanted(cfg, n) for n in ("hf-generate", "hf-prompt-lookup", "hf-generate-bf16")):
+        b.add("hf", lambda: build_hf(src.hf_dir, device, cfg.prompt_lookup,
+                                     bf16=cfg.weights == "bf16" and wanted(cfg, "hf-generate-bf16")))
     if src.gguf is None:
         b.skipped.append(("llama.cpp", f"{cfg.model} is not a GGUF target"))
     elif any(wanted(cfg, n) for n in ("llama.cpp", "llama.cpp-prompt-lookup")):

@@ -169,11 +169,17 @@ def load_hf_model(hf_dir, device: str, dtype: torch.dtype = torch.float32):
     return AutoModelForCausalLM.from_pretrained(str(hf_dir), dtype=dtype).to(device).eval()
 
 
-def build_hf(hf_dir, device: str, prompt_lookup: int) -> tuple[list[HFSystem], list[tuple[str, str]]]:
+def build_hf(hf_dir, device: str, prompt_lookup: int,
+             bf16: bool = False) -> tuple[list[HFSystem], list[tuple[str, str]]]:
+    """hf-generate and hf-prompt-lookup in fp32; with bf16 (when our target runs bf16 weights)
+    also hf-generate-bf16, so the comparison at the same weight precision is in the same run."""
     try:
         model = load_hf_model(hf_dir, device)
     except ImportError as e:
         return [], [("hf-generate", f"transformers is not importable ({e})"),
                     ("hf-prompt-lookup", "transformers is not importable")]
-    return [HFSystem("hf-generate", model),
-            HFSystem("hf-prompt-lookup", model, prompt_lookup=prompt_lookup)], []
+    systems = [HFSystem("hf-generate", model),
+               HFSystem("hf-prompt-lookup", model, prompt_lookup=prompt_lookup)]
+    if bf16:
+        systems.append(HFSystem("hf-generate-bf16", load_hf_model(hf_dir, device, torch.bfloat16)))
+    return systems, []
