@@ -2,6 +2,10 @@
 runtime vs HF transformers in the same run, and plain greedy tokens/s of both.
 
     python scripts/bench_runtime.py [--threads 2] [--reps 10] [--new-tokens 64] [--clock wall|cpu]
+                                    [--weights fp32|bf16] [--context 200]
+
+--weights bf16 packs our target as load_engine(weights="bf16") does (bf16 GEMM weights, row-stable
+attention) and loads HF transformers in bf16 too.
 
 --clock cpu times forwards with process CPU time (use with --threads 1 on a shared machine: other
 processes then inflate both systems alike instead of adding their run time to one of them).
@@ -15,6 +19,7 @@ import time
 
 import torch
 
+from eagle3.api import pack_engine_weights
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
 
@@ -76,15 +81,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--context", type=int, default=200, help="cached tokens before the timed forward")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     src = resolve_model(None)
-    model, tok = load_model(src.hf_dir, pack=True), load_tokenizer(src.hf_dir)
-    hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=torch.float32).eval()
-    ctx = torch.randint(0, model.config.vocab_size, (1, 200), generator=torch.Generator().manual_seed(0))
+    model, tok = load_model(src.hf_dir, pack=False), load_tokenizer(src.hf_dir)
+    pack_engine_weights(model, None, torch.device("cpu"), args.weights)
+    dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=dtype).eval()
+    ctx = torch.randint(0, model.config.vocab_size, (1, args.context),
+                        generator=torch.Generator().manual_seed(0))
     rows = []
     print(f"{'k':>4} {'ours ms':>9} {'HF ms':>9} {'ours/HF':>8} {'ours k/1':>9}")
     for k in KS:
@@ -103,7 +113,8 @@ def main() -> None:
         print(f"  {name}: {value:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "clock": args.clock, "forward": rows, "ours_tps": ours_tps,
+            json.dump({"threads": args.threads, "clock": args.clock, "weights": args.weights,
+                       "context": args.context, "forward": rows, "ours_tps": ours_tps,
                        "hf_tps": hf_tps, "bars": bars}, f, indent=2)
 
 
