@@ -118,8 +118,10 @@ class OursSystem:
 
 
 def build_ours(engine: Engine, shapes: dict[str, object]) -> list[OursSystem]:
-    """ours-plain on the engine's target, and one speculative system per named SpecParams."""
-    systems = [OursSystem("ours-plain", engine, speculative=False)]
+    """ours-plain on the engine's target, and one speculative system per named SpecParams. Each
+    gets a new Engine: its caches are made after packing (a row-stable target's cache is fp64)."""
+    plain = Engine(engine.target, engine.tokenizer, max_model_len=engine.max_model_len)
+    systems = [OursSystem("ours-plain", plain, speculative=False)]
     for name, spec in shapes.items():
         shaped = Engine(engine.target, engine.tokenizer, draft=engine.draft, spec=spec,
                         max_model_len=engine.max_model_len)

@@ -73,24 +73,36 @@ def row_stable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Attention whose result for a query row does not depend on the other rows of the call.
 
-    q [B, H, T, D], k/v [B, Hkv, S, D] (fp32), mask bool broadcastable to [B, 1, T, S] or None.
-    SDPA's CPU kernels pick their blocking by the number of query rows, so a token's output in an
-    8-token verify block differs in the last bits from the same token decoded alone. Scores,
-    softmax and the weighted sum run in fp64 and round to fp32 once at the end: reordering a sum
-    of fp64 terms moves it by ~1e-16, which survives the rounding to fp32 with negligible
-    probability. With bf16 GEMM weights (where any input bit flips the bf16 rounding and the
-    difference grows layer by layer) this keeps verify and decode bit-identical.
+    q [B, H, T, D] fp32; k/v [B, Hkv, S, D] (fp64 caches skip a conversion); mask None, bool
+    (True = may attend) or additive float, broadcastable to [B, 1, T, S]. SDPA's CPU kernels and
+    fp32 GEMMs pick their blocking by the number of query rows, so a token's output in an 8-token
+    verify block differs in the last bits from the same token decoded alone. Here scores, softmax
+    and the weighted sum run in fp64 and round to fp32 once at the end: reordering a sum of fp64
+    terms moves it by ~1e-16, which survives the rounding to fp32 with negligible probability.
+    With bf16 GEMM weights (where any input bit flips a bf16 rounding and the difference grows
+    layer by layer) this keeps verify and decode bit-identical. Costs ~2x SDPA's time.
     """
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    g = h // hkv                                   # query heads per KV head (GQA)
-    scores = q.double().reshape(b, hkv, g * t, d) @ k.double().transpose(-1, -2)
-    scores = scores * (1.0 / math.sqrt(d))
-    if mask is not None:
-        keep = mask.expand(b, 1, t, s).reshape(b, 1, 1, t, s)
-        scores = scores.view(b, hkv, g, t, s).masked_fill(~keep, float("-inf")).view(b, hkv, g * t, s)
-    out = torch.softmax(scores, dim=-1) @ v.double()
+    g = h // hkv                                   # query heads per KV head (GQA): rows g*t
+    qd = (q.double() * (1.0 / math.sqrt(d))).reshape(b * hkv, g * t, d)
+    kt = k.double().reshape(b * hkv, s, d).transpose(1, 2)
+    if mask is None:
+        scores = torch.bmm(qd, kt)
+    else:
+        if mask.dtype == torch.bool:
+            mask = additive_mask(mask)
+        rows = mask.to(torch.float64).expand(b, 1, t, s).reshape(b, 1, t, s)
+        rows = rows.expand(b, hkv, t, s).reshape(b * hkv, 1, t, s).expand(b * hkv, g, t, s)
+        scores = torch.baddbmm(rows.reshape(b * hkv, g * t, s), qd, kt)
+    out = torch.bmm(torch.softmax(scores, dim=-1), v.double().reshape(b * hkv, s, d))
     return out.view(b, h, t, d).float()
+
+
+def additive_mask(mask: torch.Tensor) -> torch.Tensor:
+    """bool (True = may attend) -> fp64 0 / -inf."""
+    return torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill_(
+        ~mask, float("-inf"))
 
 
 class Attention(nn.Module):

@@ -14,7 +14,7 @@ from torch import nn
 
 from ..runtime.kv_cache import KVCache
 from .config import ModelConfig, check_capture_ids
-from .layers import MLP, Attention, RMSNorm, Rotary, causal_block_mask
+from .layers import MLP, Attention, RMSNorm, Rotary, additive_mask, causal_block_mask
 
 
 class ForwardOutput(NamedTuple):
@@ -39,7 +39,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Target model. Weight names follow HF (`model.layers.N.self_attn.q_proj.weight`, ...)."""
+    """Target model. Weight names follow HF (`model.layers.N.self_attn.q_proj.weight`, ...).
+
+    kv_dtype: the cache dtype when it is not the weights' (models.packed sets fp64 for a
+    row-stable target, whose attention runs in fp64)."""
+
+    kv_dtype: Optional[torch.dtype] = None
 
     def __init__(self, cfg: ModelConfig, max_position: Optional[int] = None):
         super().__init__()
@@ -56,7 +61,7 @@ class LlamaModel(nn.Module):
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                       max_len, batch, p.dtype, p.device)
+                       max_len, batch, self.kv_dtype or p.dtype, p.device)
 
     def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
         check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
@@ -83,6 +88,8 @@ class LlamaModel(nn.Module):
         cache.check_room(seq)
         if attn_mask is None and seq > 1:
             attn_mask = causal_block_mask(start, seq, input_ids.device)
+        if attn_mask is not None and self.kv_dtype == torch.float64 and attn_mask.dtype == torch.bool:
+            attn_mask = additive_mask(attn_mask)         # once, not in each row-stable layer
         capture = set(capture_ids)
         if capture:
             self.check_capture_ids(capture_ids)

@@ -82,6 +82,8 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
     equal its plain decoding) makes the attention row-stable too (layers.row_stable_attention).
     """
     from .layers import MLP, Attention
+    if row_stable and hasattr(model, "kv_dtype"):
+        model.kv_dtype = torch.float64           # row-stable attention reads fp64 without a copy
     for module in list(model.modules()):
         if isinstance(module, Attention):
             module.row_stable = row_stable
