@@ -33,7 +33,7 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                    help="tree: nodes verified per step, root included")
     p.add_argument("--min-prob", type=float, default=None,
                    help="tree: verify only draft tokens whose path probability under the draft is >= "
-                        "this (dynamic tree size; 0 = always --num-draft-tokens)")
+                        "this (dynamic tree size; default 0.05; 0 = always --num-draft-tokens)")
     add_precision_args(p)
 
 

@@ -121,12 +121,12 @@ def test_quick_and_tune_presets():
     cfg = config_from(parse_args(["--quick", "--threads", "1"]))
     assert (cfg.prompts, cfg.max_new_tokens, cfg.temperatures, cfg.threads) == (3, 32, (0.0, 1.0), 1)
     cfg = config_from(parse_args(["--quick", "--prompts", "5", "--tree", "2,3,5"]))
-    assert cfg.prompts == 5 and cfg.tree == SpecParams(2, 3, 5)
+    assert cfg.prompts == 5 and cfg.tree == SpecParams(2, 3, 5, 0.0)
     cfg = config_from(parse_args([]))
     assert (cfg.prompts, cfg.max_new_tokens) == (80, 256)
     cfg = config_from(parse_args(["--tune"]))
     assert cfg.systems == ("ours-*",) and cfg.temperatures == (0.0,)
-    assert parse_shapes("1,3,9;2,3,5") == (SpecParams.chain(3), SpecParams(2, 3, 5))
+    assert parse_shapes("1,3,9;2,3,5") == (SpecParams.chain(3), SpecParams(2, 3, 5, 0.0))
     assert parse_shapes("4,5,8,0.05;1,4,0,0.1") == (SpecParams(4, 5, 8, 0.05), SpecParams.chain(4, 0.1))
     cfg = config_from(parse_args(["--tune", "--temperatures", "1,0"]))
     assert cfg.temperatures == (1.0,)
@@ -153,7 +153,7 @@ def harness(one_thread):  # noqa: F811
     engine = Engine(target, StubTokenizer(), draft=tiny_draft(target), spec=SpecParams(),
                     max_model_len=64)
     systems = build_ours(engine, {"ours-chain3": SpecParams.chain(3),
-                                  "ours-tree": SpecParams(3, 3, 6)})
+                                  "ours-tree": SpecParams(3, 3, 6, 0.0)})
     gen = torch.Generator().manual_seed(0)
     prompts = [BenchPrompt(10 + i, "cat", "t", tuple(torch.randint(3, 32, (6 + i,), generator=gen)
                                                       .tolist()), "t", i) for i in range(3)]
@@ -234,7 +234,7 @@ def test_context_len_checks_the_budget():
 
 def test_tune_ranks_shapes(harness):
     cfg, setup = harness
-    rows = tune(cfg, setup, (SpecParams.chain(2), SpecParams(2, 3, 4)), progress=False)
+    rows = tune(cfg, setup, (SpecParams.chain(2), SpecParams(2, 3, 4, 0.0)), progress=False)
     assert len(rows) == 2 and rows[0].speedup >= rows[1].speedup
     assert all(r.tau >= 1.0 for r in rows)
     assert "best on this machine" in tune_text(rows)

@@ -397,7 +397,7 @@ def test_real_spec_decoder_served_equals_plain(target):
     draft = Eagle3Draft(DraftConfig.for_target(target.config, aux_layer_ids=(0, 2, 3))).eval()
     draft.set_embedding(target.embed_tokens.weight)
     engine = Engine(target, tokenizer(), draft=draft,
-                    spec=SpecParams(top_k=2, depth=3, num_draft_tokens=5), max_model_len=CTX)
+                    spec=SpecParams(top_k=2, depth=3, num_draft_tokens=5, min_prob=0.0), max_model_len=CTX)
     plain = Engine(target, tokenizer(), max_model_len=CTX)
     messages = [{"role": "user", "content": "Speculate."}]
     ref = plain.generate(messages=messages, params=greedy(12))

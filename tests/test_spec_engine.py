@@ -20,8 +20,8 @@ from spec_helpers import (StubTokenizer, chi_square_p, one_thread, oracle_draft,
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 PROMPT = [5, 9, 12, 7, 30, 2]
-SHAPES = [SpecParams.chain(1), SpecParams.chain(4), SpecParams(3, 1, 4), SpecParams(2, 3, 6),
-          SpecParams(3, 4, 10), SpecParams(4, 5, 16)]
+SHAPES = [SpecParams.chain(1), SpecParams.chain(4), SpecParams(3, 1, 4, 0.0), SpecParams(2, 3, 6, 0.0),
+          SpecParams(3, 4, 10, 0.0), SpecParams(4, 5, 16, 0.0)]
 DYNAMIC = [SpecParams(4, 5, 8, min_prob=0.05), SpecParams(3, 4, 10, min_prob=0.3),
            SpecParams.chain(4, min_prob=0.2)]
 GREEDY = SamplingParams(max_new_tokens=40, ignore_eos=True)
@@ -64,7 +64,7 @@ def run_decoder(target, draft, spec: SpecParams, steps: int):
     return dec, emitted
 
 
-@pytest.mark.parametrize("spec", [SpecParams.chain(3), SpecParams(3, 3, 8)])
+@pytest.mark.parametrize("spec", [SpecParams.chain(3), SpecParams(3, 3, 8, 0.0)])
 def test_caches_after_steps_equal_one_pass_over_the_sequence(target, reference, spec):
     draft = oracle_draft(target, PROMPT + reference)
     dec, emitted = run_decoder(target, draft, spec, steps=5)
@@ -113,7 +113,7 @@ def test_greedy_identical_with_dynamic_tree_size(target, reference, spec):
 def test_greedy_identical_with_eagle1_draft(target, reference):
     draft = tiny_draft(target, algorithm="eagle")
     draft.set_lm_head(target.lm_head.weight)
-    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8)):
+    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8, 0.0)):
         result = spec_engine(target, draft, spec).generate(prompt_ids=PROMPT, params=GREEDY)
         assert result.token_ids == reference
 
@@ -123,7 +123,7 @@ def test_stop_token_inside_accepted_draft_tokens(target, reference):
     plain = Engine(target, StubTokenizer(), max_model_len=100)
     params = SamplingParams(max_new_tokens=40, stop_token_ids=(stop,))
     want = plain.generate(prompt_ids=PROMPT, params=params)
-    got = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 4, 8)) \
+    got = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 4, 8, 0.0)) \
         .generate(prompt_ids=PROMPT, params=params)
     assert got.token_ids == want.token_ids and got.finish_reason == "stop"
     assert stop not in got.token_ids
@@ -183,8 +183,8 @@ def greedy_oracle(target, prompt: list[int], params: SamplingParams):
 
 
 @pytest.mark.parametrize("params,spec,oracle", [
-    (SamplingParams(temperature=1.0, seed=0), SpecParams(3, 2, 6), False),
-    (SamplingParams(temperature=0.8, top_p=0.7, seed=1), SpecParams(2, 3, 5), True),
+    (SamplingParams(temperature=1.0, seed=0), SpecParams(3, 2, 6, 0.0), False),
+    (SamplingParams(temperature=0.8, top_p=0.7, seed=1), SpecParams(2, 3, 5, 0.0), True),
     (SamplingParams(temperature=1.2, top_k=3, seed=2), SpecParams.chain(2), True),
     (SamplingParams(temperature=1.0, seed=3), SpecParams(3, 3, 8, min_prob=0.2), True),
 ], ids=["t1-tree-random", "top_p-tree-oracle", "top_k-chain-oracle", "t1-dynamic-oracle"])
@@ -246,7 +246,7 @@ def test_monitor_ignores_plain_steps_on_an_engine_with_a_draft(caplog):
 
 
 def test_engine_monitor_sees_acceptance(target, reference):
-    engine = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 3, 6))
+    engine = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 3, 6, 0.0))
     result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
     snap = engine.monitor.snapshot()
     assert snap["steps"] == len(result.decode_steps) and not snap["degraded"]
@@ -265,7 +265,7 @@ def test_real_smollm2_random_draft_greedy_identical(real_model):
     plain = Engine(target, tok, max_model_len=256)
     ids = plain.encode("List three uses of copper.")
     want = plain.generate(prompt_ids=ids, params=params).token_ids
-    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8)):
+    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8, 0.0)):
         got = Engine(target, tok, draft=draft, spec=spec, max_model_len=256).generate(
             prompt_ids=ids, params=params)
         assert got.token_ids == want
@@ -353,7 +353,7 @@ def test_bf16_draft_weights_keep_greedy_identity(target, reference):
     from eagle3.models.packed import pack_for_inference
     draft = oracle_draft(target, PROMPT + reference)
     low = pack_for_inference(copy.deepcopy(draft), torch.bfloat16)
-    for spec in (SpecParams.chain(4), SpecParams(3, 4, 10)):
+    for spec in (SpecParams.chain(4), SpecParams(3, 4, 10, 0.0)):
         result = spec_engine(target, low, spec).generate(prompt_ids=PROMPT, params=GREEDY)
         assert result.token_ids == reference
         assert result.tau >= 2.0      # a bf16 oracle still proposes mostly the right tokens
@@ -368,7 +368,7 @@ def test_draft_weights_choice_is_checked():
 
 
 # ---------------------------------------------------------------------------- early stop
-@pytest.mark.parametrize("spec", [SpecParams(3, 4, 6), SpecParams(4, 5, 8), SpecParams(2, 6, 4),
+@pytest.mark.parametrize("spec", [SpecParams(3, 4, 6, 0.0), SpecParams(4, 5, 8, 0.0), SpecParams(2, 6, 4, 0.0),
                                   SpecParams(4, 5, 8, min_prob=0.05)], ids=str)
 def test_drafting_stops_early_only_when_the_tree_cannot_change(target, spec):
     """`_settled` ends drafting once no deeper node can be kept: the tree equals the full expansion's."""

@@ -24,7 +24,7 @@ def random_parents(size: int, gen: torch.Generator) -> list[int]:
 
 # ---------------------------------------------------------------------------- SpecParams
 def test_spec_params_validation():
-    assert SpecParams.chain(5) == SpecParams(1, 5, 6) and SpecParams.chain(5).is_chain
+    assert SpecParams.chain(5) == SpecParams(1, 5, 6, 0.0) and SpecParams.chain(5).is_chain
     assert SpecParams(10, 7, 60).max_candidates == 10 + 6 * 100
     with pytest.raises(InputError, match="lower num_draft_tokens"):
         SpecParams(1, 3, 5)                       # a chain of 3 has only 3 candidates
@@ -86,8 +86,8 @@ def test_select_is_parent_closed_under_ties():
     assert sel.parents.tolist() == [-1, 0, 1]
 
 
-@pytest.mark.parametrize("spec", [SpecParams.chain(4), SpecParams(2, 3, 6), SpecParams(3, 4, 12),
-                                  SpecParams(4, 5, 30), SpecParams(3, 1, 4)])
+@pytest.mark.parametrize("spec", [SpecParams.chain(4), SpecParams(2, 3, 6, 0.0), SpecParams(3, 4, 12, 0.0),
+                                  SpecParams(4, 5, 30, 0.0), SpecParams(3, 1, 4, 0.0)])
 def test_full_drafting_matches_a_plain_python_reference(spec):
     gen = torch.Generator().manual_seed(spec.max_candidates)
     vocab = 12

@@ -19,8 +19,9 @@ from .runner import BenchConfig, Setup, gen_params, on_cpu_clock, rotate
 from .systems import OursSystem, build_ours
 
 DEFAULT_SHAPES = (SpecParams.chain(2), SpecParams.chain(3), SpecParams.chain(4), SpecParams.chain(5),
-                  SpecParams.chain(6), SpecParams(2, 4, 6), SpecParams(2, 5, 8), SpecParams(3, 4, 8),
-                  SpecParams(4, 5, 8), SpecParams(4, 5, 12), SpecParams(4, 6, 16))
+                  SpecParams(2, 4, 6, 0.0), SpecParams(3, 4, 6, 0.0), SpecParams(4, 5, 8, 0.0),
+                  SpecParams(4, 6, 16, 0.0), SpecParams(2, 3, 4, 0.05), SpecParams(3, 4, 6, 0.05),
+                  SpecParams(4, 5, 8, 0.05), SpecParams(4, 6, 12, 0.05))
 
 
 @dataclass(frozen=True)
