@@ -237,6 +237,21 @@ def test_monitor_warns_once_when_nothing_is_accepted(caplog):
     assert mon.tau == pytest.approx(1 + 2 / 18)
 
 
+def test_monitor_stays_quiet_when_a_working_draft_hits_a_bad_stretch(caplog):
+    """Sampled text can turn unpredictable for a while (a zero streak); a draft that has been
+    accepting is not mis-paired, so no warning. From the start, the same streak warns."""
+    mon = AcceptanceMonitor(window=8)
+    with caplog.at_level(logging.WARNING, logger="eagle3.spec"):
+        for _ in range(20):
+            mon.observe(Step([1, 2], 1, proposed=4))
+        for _ in range(30):
+            mon.observe(Step([1], 0, proposed=4))
+        assert not mon.degraded and not caplog.records      # lifetime: 20 accepted in 50 steps
+        for _ in range(400):
+            mon.observe(Step([1], 0, proposed=4))
+        assert mon.degraded and len(caplog.records) == 1    # 20 in 450: below 0.05 per step
+
+
 def test_monitor_ignores_plain_steps_on_an_engine_with_a_draft(caplog):
     mon = AcceptanceMonitor(window=8)
     with caplog.at_level(logging.WARNING, logger="eagle3.spec"):

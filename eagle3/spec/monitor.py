@@ -2,8 +2,12 @@
 
 A draft that is paired wrongly with its target still runs; it only proposes tokens the target never
 accepts (the zero-acceptance incident). The monitor sees every decode step; when the mean accepted
-length over a full window is 1.0 token per target forward (no draft token accepted), it warns once
-and reports `degraded` until acceptance comes back.
+length over a full window is 1.0 token per target forward (no draft token accepted) and the draft
+has never done much better (lifetime accepted tokens per step below `floor`), it warns once and
+reports `degraded` until acceptance comes back. The second condition keeps a working draft quiet
+through a stretch it cannot predict (measured: sampling at T=1 over the 80 MT-bench prompts with
+the shipped draft, lifetime 0.36 accepted per step, hit a 32-step run of zeros in degenerate text);
+a mis-paired draft stays near 0 from its first step.
 """
 from __future__ import annotations
 
@@ -24,8 +28,8 @@ DEGRADED_MESSAGE = (
 
 
 class AcceptanceMonitor:
-    def __init__(self, window: int = 32):
-        self.window = window
+    def __init__(self, window: int = 32, floor: float = 0.05):
+        self.window, self.floor = window, floor
         self.recent: deque[int] = deque(maxlen=window)   # accepted draft tokens per step
         self.steps = 0
         self.proposed = 0
@@ -53,8 +57,10 @@ class AcceptanceMonitor:
 
     @property
     def degraded(self) -> bool:
-        """True while a full window of steps accepted no draft token at all."""
-        return len(self.recent) == self.window and not any(self.recent)
+        """True while a full window of steps accepted no draft token at all and the lifetime
+        acceptance is below `floor` accepted draft tokens per step."""
+        return (len(self.recent) == self.window and not any(self.recent)
+                and self.accepted < self.floor * self.steps)
 
     @property
     def tau(self) -> float:
