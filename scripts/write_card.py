@@ -111,7 +111,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--dataset-replies", type=Path, action="append", default=[],
                     help="data dirs written with regen_data.py --responses dataset (their manifest.json)")
     ap.add_argument("--draft", type=Path, required=True)
-    ap.add_argument("--tau", type=Path)
+    ap.add_argument("--tau", type=Path, action="append", default=[],
+                    help="measure_tau.py json (merged per tree shape); repeat for more shapes")
     ap.add_argument("--extra", type=Path, help="markdown appended after the phase table (e.g. a growth table "
                     "measured with scripts/eval_draft.py)")
     ap.add_argument("--machine", default=f"{platform.machine()} CPU, {torch.get_num_threads()} threads visible, "
@@ -170,9 +171,11 @@ def main(argv: list[str]) -> int:
               f"python scripts/ship_draft.py --run {args.run} --out eagle3/drafts/smollm2-135m-eagle3",
               "python scripts/measure_tau.py --draft eagle3/drafts/smollm2-135m-eagle3 --n 80 --temperatures 0,1",
               "```"]
-    if args.tau and args.tau.is_file():
-        lines += ["", "## Measured acceptance (speculative decoding, MT-bench first turns)", "",
-                  *tau_table(json.loads(args.tau.read_text()))]
+    taus = [json.loads(t.read_text()) for t in args.tau if t.is_file()]
+    if taus:
+        lines += ["", "## Measured acceptance (speculative decoding, MT-bench first turns)"]
+        for tau in taus:
+            lines += ["", *tau_table(tau)]
     (args.draft / "CARD.md").write_text("\n".join(lines) + "\n")
     print((args.draft / "CARD.md").read_text())
     return 0
