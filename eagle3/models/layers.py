@@ -85,17 +85,14 @@ def row_stable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     b, h, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     g = h // hkv                                   # query heads per KV head (GQA): rows g*t
-    qd = (q.double() * (1.0 / math.sqrt(d))).reshape(b * hkv, g * t, d)
-    kt = k.double().reshape(b * hkv, s, d).transpose(1, 2)
-    if mask is None:
-        scores = torch.bmm(qd, kt)
-    else:
+    qd = (q.double() * (1.0 / math.sqrt(d))).reshape(b, hkv, g * t, d)
+    scores = torch.matmul(qd, k.double().transpose(-1, -2))                 # [B, Hkv, g*T, S]
+    if mask is not None:
         if mask.dtype == torch.bool:
             mask = additive_mask(mask)
-        rows = mask.to(torch.float64).expand(b, 1, t, s).reshape(b, 1, t, s)
-        rows = rows.expand(b, hkv, t, s).reshape(b * hkv, 1, t, s).expand(b * hkv, g, t, s)
-        scores = torch.baddbmm(rows.reshape(b * hkv, g * t, s), qd, kt)
-    out = torch.bmm(torch.softmax(scores, dim=-1), v.double().reshape(b * hkv, s, d))
+        # rows are (head in group, query): the [B|1, 1, T, S] mask broadcasts over both head axes
+        scores.view(b, hkv, g, t, s).add_(mask.to(torch.float64).unsqueeze(2))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v.double())
     return out.view(b, h, t, d).float()
 
 
