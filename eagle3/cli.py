@@ -92,6 +92,8 @@ def info_cmd(args: argparse.Namespace) -> int:
             ("tied embeddings", cfg.tie_word_embeddings), ("rope", cfg.rope),
             ("default capture ids (input to layer i)", list(cfg.default_aux_layer_ids)),
             ("same ids, output-of-layer convention", [i - 1 for i in cfg.default_aux_layer_ids])]
+    from .kernels import why
+    rows.append(("CPU small-M linear kernels", why()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

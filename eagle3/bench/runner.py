@@ -284,6 +284,9 @@ def machine_info(device: str) -> dict:
     info = {"platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__, "cpu": cpu_name(), "logical_cpus": _cpus(),
             "torch_threads": torch.get_num_threads(), "device": device}
+    if device.startswith("cpu"):
+        from ..kernels import why
+        info["small_m_kernels"] = why()
     if device.startswith("cuda"):
         info["gpu"] = torch.cuda.get_device_name()
     for mod in ("transformers", "llama_cpp"):

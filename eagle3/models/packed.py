@@ -9,6 +9,13 @@ call. With 2 threads oneDNN also wins for one row (SmolLM2 decode forward 38.5 m
 the [in, out] GEMV, which does not scale past one thread here), so the GEMV layout serves only
 one-row calls on one thread. On other devices (CUDA) it is a plain linear. Fusing q/k/v and gate/up
 halves the GEMM count.
+
+Small blocks (decode, tree verify, the draft's levels) go to eagle3.kernels where the CPU has
+AVX-512: ~1.5x oneDNN's speed for 1-2 rows, on par at 8 (scripts/bench_kernels.py), and every
+row's result independent of the call's other rows. A plain target sends blocks of up to
+SMALL_ROWS rows there (above, oneDNN is faster); a row-stable one sends every block of up to
+STABLE_ROWS rows (any verify tree: num_draft_tokens is bounded by it), so verify == decode bit
+for bit in its linear layers, and only long prefills take oneDNN.
 """
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ import torch
 from torch import nn
 
 PACK_ROWS_HINT = 8
+SMALL_ROWS = 8           # plain: the kernel for blocks up to this many rows
+STABLE_ROWS = 256        # row-stable: the kernel for every block up to this many rows
 
 
 def _onednn_ok() -> bool:
@@ -25,35 +34,48 @@ def _onednn_ok() -> bool:
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T + b with W kept as [in, out] (one-row GEMV) and prepacked for oneDNN (several rows)."""
+    """y = x W^T + b: small blocks through eagle3.kernels (where the CPU has them), the rest
+    through oneDNN with a prepacked weight; on CPUs without either, the [in, out] GEMV layout."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 weight_dtype: torch.dtype = torch.float32):
+                 weight_dtype: torch.dtype = torch.float32, small_rows: int = SMALL_ROWS):
         super().__init__()
+        from .. import kernels
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.weight_dtype = weight_dtype
         self.register_buffer("weight_t", weight.t().contiguous(), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone(), persistent=False)
         self.packed = None
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_ok():
             w = weight.contiguous().to(weight_dtype)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
+        self.small, self.small_rows, self.small_weight = None, small_rows, None
+        even = weight_dtype != torch.bfloat16 or self.in_features % 2 == 0
+        if weight.device.type == "cpu" and even and kernels.small_linear(weight_dtype) is not None:
+            self.small = kernels.small_linear(weight_dtype)
+            self.small_weight = kernels.pack_weight(weight, weight_dtype)
         if weight_dtype != torch.float32:
             if self.packed is None:
                 raise ValueError(f"{weight_dtype} weights need oneDNN on the CPU")
-            self.weight_t = None  # every call goes through the bf16 packed weight
+            self.weight_t = None  # every call goes through the bf16 kernels
+        elif self.small is not None:
+            self.weight_t = None  # the small-M kernel serves the one-row calls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.weight_t is None:  # low-precision weights, fp32 activations in and out
+        if self.small is not None and rows <= self.small_rows:
+            flat = x.reshape(rows, self.in_features).to(self.weight_dtype).contiguous()
+            y = self.small(flat, self.small_weight, self.bias, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.weight_dtype != torch.float32:  # low-precision weights, fp32 activations in and out
             flat = x.reshape(rows, self.in_features).to(self.weight_dtype)
             if rows == 1:  # oneDNN's one-row kernel rounds differently: run it as two rows
                 flat = torch.cat([flat, flat])
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")[:rows].float()
             y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if self.packed is None or (rows == 1 and torch.get_num_threads() == 1):
+        if self.packed is None or (rows == 1 and torch.get_num_threads() == 1 and self.weight_t is not None):
             y = x @ self.weight_t
             return y if self.bias is None else y + self.bias
         flat = x.reshape(rows, self.in_features)
@@ -61,11 +83,11 @@ class PackedLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def _cat_linear(*layers: nn.Linear, weight_dtype: torch.dtype) -> PackedLinear:
+def _cat_linear(*layers: nn.Linear, weight_dtype: torch.dtype, small_rows: int) -> PackedLinear:
     weight = torch.cat([l.weight for l in layers], dim=0)
     biases = [l.bias for l in layers]
     bias = torch.cat(biases) if biases[0] is not None else None
-    return PackedLinear(weight, bias, weight_dtype)
+    return PackedLinear(weight, bias, weight_dtype, small_rows)
 
 
 @torch.no_grad()
@@ -82,6 +104,7 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
     equal its plain decoding) makes the attention row-stable too (layers.row_stable_attention).
     """
     from .layers import MLP, Attention
+    small_rows = STABLE_ROWS if row_stable else SMALL_ROWS
     if row_stable and hasattr(model, "kv_dtype"):
         model.kv_dtype = torch.float64           # row-stable attention reads fp64 without a copy
     for module in list(model.modules()):
@@ -89,15 +112,16 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
             module.row_stable = row_stable
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
             module.qkv = _cat_linear(module.q_proj, module.k_proj, module.v_proj,
-                                     weight_dtype=weight_dtype)
-            module.o_proj = PackedLinear(module.o_proj.weight, module.o_proj.bias, weight_dtype)
+                                     weight_dtype=weight_dtype, small_rows=small_rows)
+            module.o_proj = PackedLinear(module.o_proj.weight, module.o_proj.bias, weight_dtype, small_rows)
             del module.q_proj, module.k_proj, module.v_proj
         elif isinstance(module, MLP) and isinstance(module.gate_proj, nn.Linear):
-            module.gate_up = _cat_linear(module.gate_proj, module.up_proj, weight_dtype=weight_dtype)
-            module.down_proj = PackedLinear(module.down_proj.weight, None, weight_dtype)
+            module.gate_up = _cat_linear(module.gate_proj, module.up_proj, weight_dtype=weight_dtype,
+                                         small_rows=small_rows)
+            module.down_proj = PackedLinear(module.down_proj.weight, None, weight_dtype, small_rows)
             del module.gate_proj, module.up_proj
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, child_name, PackedLinear(child.weight, child.bias, weight_dtype))
+                setattr(module, child_name, PackedLinear(child.weight, child.bias, weight_dtype, small_rows))
     return model

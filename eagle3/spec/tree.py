@@ -30,6 +30,9 @@ import torch
 from ..errors import InputError
 
 
+MAX_DRAFT_TOKENS = 256   # = models.packed.STABLE_ROWS: every verify block of a row-stable target
+
+
 @dataclass(frozen=True)
 class SpecParams:
     """Tree shape: `top_k` children per expanded node and frontier width, `depth` draft levels,
@@ -53,9 +56,10 @@ class SpecParams:
         for name in ("top_k", "depth"):
             if getattr(self, name) < 1:
                 raise InputError(f"spec {name} must be >= 1, got {getattr(self, name)}")
-        if self.num_draft_tokens < 2:
-            raise InputError(f"num_draft_tokens must be >= 2 (the root and one draft token), "
-                             f"got {self.num_draft_tokens}")
+        if not 2 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
+            raise InputError(f"num_draft_tokens must be in [2, {MAX_DRAFT_TOKENS}] (the root and at "
+                             f"least one draft token; larger verify blocks would leave the "
+                             f"row-stable kernels), got {self.num_draft_tokens}")
         if self.num_draft_tokens - 1 > self.max_candidates:
             raise InputError(
                 f"num_draft_tokens={self.num_draft_tokens} needs {self.num_draft_tokens - 1} draft "

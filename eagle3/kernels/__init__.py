@@ -1,0 +1,106 @@
+"""Small-M linear kernels for CPU inference (gemv.cpp), built once on first use and cached.
+
+Why: decode and tree verification multiply 1..8 rows by every weight once, so a forward costs the
+weight bytes it reads. oneDNN reaches ~18 GB/s on those shapes on the 2-core AVX-512 EPYC here,
+these kernels ~28 GB/s of the ~33 GB/s the machine reads (scripts/bench_kernels.py). Each output
+is one dot product in a fixed order, so a row's result does not depend on the other rows of the
+call: the property a lossless verify needs (verify block == one-token decode).
+
+    kernel = small_linear()            # None where the CPU or the build cannot run them (why())
+    packed = pack_weight(w, dtype)     # once, at pack time
+    y = kernel(x, packed, bias, out_features)
+
+EAGLE3_KERNELS=0 switches them off (the oneDNN path then serves every call).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+from typing import Callable, NamedTuple, Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("gemv.cpp")
+BLOCK = 32                      # outputs per packed block (gemv.cpp kBlock)
+CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+
+
+class KernelState(NamedTuple):
+    module: Optional[object]    # the built extension, or None
+    reason: str                 # why it is (not) in use
+    bf16: bool                  # the CPU has AVX512-BF16 (linear_bf16 may run)
+
+
+_STATE: Optional[KernelState] = None
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def _build() -> KernelState:
+    if os.environ.get("EAGLE3_KERNELS", "1") == "0":
+        return KernelState(None, "off (EAGLE3_KERNELS=0)", False)
+    flags = cpu_flags()
+    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+    if not need <= flags:
+        return KernelState(None, f"CPU lacks {sorted(need - flags)}", False)
+    from ..runtime.loader import cache_root
+    from torch.utils.cpp_extension import load
+    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
+                          + torch.__version__.encode()).hexdigest()[:12]
+    build_dir = cache_root() / "kernels" / digest
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        module = load(f"eagle3_gemv_{digest}", [str(SOURCE)], extra_cflags=CFLAGS,
+                      build_directory=str(build_dir), verbose=False)
+    except Exception as exc:  # a compiler or ninja missing: oneDNN serves every call
+        print(f"eagle3: small-M kernels not built ({type(exc).__name__}: {exc}); using oneDNN",
+              file=sys.stderr)
+        return KernelState(None, f"build failed: {type(exc).__name__}", False)
+    bf16 = "avx512_bf16" in flags
+    return KernelState(module, "avx512" + (" + bf16" if bf16 else " (fp32 only)"), bf16)
+
+
+def state() -> KernelState:
+    global _STATE
+    if _STATE is None:
+        _STATE = _build()
+    return _STATE
+
+
+def why() -> str:
+    return state().reason
+
+
+def small_linear(dtype: torch.dtype) -> Optional[Callable]:
+    """The kernel for weights of `dtype` (fp32 or bf16), or None where it cannot run here."""
+    st = state()
+    if st.module is None or dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if dtype == torch.bfloat16:
+        return st.module.linear_bf16 if st.bf16 else None
+    return st.module.linear_fp32
+
+
+def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[O, I] -> the kernel layout: bf16 [O/32, I/2, 32, 2] (I even), fp32 [O/32, I, 32]; O padded
+    to a multiple of 32 with zero rows (their outputs are never stored)."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // BLOCK) * BLOCK
+    w = torch.zeros(padded, in_features, dtype=dtype)
+    w[:out_features] = weight.detach().to(dtype)
+    if dtype == torch.bfloat16:
+        if in_features % 2:
+            raise ValueError(f"bf16 small-M kernel needs an even input width, got {in_features}")
+        return w.view(padded // BLOCK, BLOCK, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.view(padded // BLOCK, BLOCK, in_features).permute(0, 2, 1).contiguous()
