@@ -89,3 +89,43 @@ def test_kernels_can_be_switched_off(monkeypatch):
 def test_bf16_pack_refuses_odd_width():
     with pytest.raises(ValueError, match="even input width"):
         kernels.pack_weight(torch.zeros(4, 5), torch.bfloat16)
+
+
+@needs
+def test_fused_rms_norm_matches_and_is_row_stable():
+    rms, _ = kernels.fused_ops()
+    x, w = torch.randn(7, 576) * 40, torch.rand(576)
+    y = rms(x, w, 1e-5)
+    assert torch.allclose(y, torch.nn.functional.rms_norm(x, (576,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    assert torch.equal(rms(x[4:5].contiguous(), w, 1e-5), y[4:5])
+
+
+@needs
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_fused_attention_matches_fp64_and_rows_are_independent(head_dim):
+    from eagle3.models.layers import row_stable_attention
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(head_dim)
+    k_buf = torch.randn(2, 2, 90, head_dim, generator=g)       # a cache buffer; the prefix is read
+    v_buf = torch.randn(2, 2, 90, head_dim, generator=g)
+    q = torch.randn(2, 6, 5, head_dim, generator=g) * 2        # GQA: 3 query heads per KV head
+    mask = torch.rand(2, 1, 5, 61, generator=g) > 0.4
+    mask[..., 0] = True
+    k, v = k_buf[:, :, :61], v_buf[:, :, :61]
+    out = attn(q, k, v, mask)
+    assert torch.allclose(out, row_stable_attention(q, k, v, mask), atol=2e-6)
+    for t in range(5):
+        assert torch.equal(attn(q[:, :, t:t + 1].contiguous(), k, v, mask[:, :, t:t + 1].contiguous()),
+                           out[:, :, t:t + 1])
+    causal = attn(q[:, :, :1].contiguous(), k, v, None)
+    assert torch.allclose(causal, row_stable_attention(q[:, :, :1], k, v, None), atol=2e-6)
+
+
+@needs
+def test_row_stable_packing_uses_fused_ops_and_an_fp32_cache(tmp_path):
+    from eagle3.models.packed import pack_for_inference
+    from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
+    model = native_from_hf(hf_model_from_dict(FAMILIES["qwen2"]), tmp_path)
+    model = pack_for_inference(model, torch.bfloat16, row_stable=True)
+    assert model.kv_dtype is None and model.norm.fused is not None
+    assert all(layer.self_attn.fused is not None for layer in model.layers)

@@ -4,7 +4,9 @@ Why: decode and tree verification multiply 1..8 rows by every weight once, so a 
 weight bytes it reads. oneDNN reaches ~18 GB/s on those shapes on the 2-core AVX-512 EPYC here,
 these kernels ~28 GB/s of the ~33 GB/s the machine reads (scripts/bench_kernels.py). Each output
 is one dot product in a fixed order, so a row's result does not depend on the other rows of the
-call: the property a lossless verify needs (verify block == one-token decode).
+call: the property a lossless verify needs (verify block == one-token decode). The same holds
+for the fused RMSNorm and the fp32 attention (fused_ops): each row in one fixed order, which lets
+a bf16 target be row-stable without fp64 attention (5x cheaper for a decode step).
 
     kernel = small_linear()            # None where the CPU or the build cannot run them (why())
     packed = pack_weight(w, dtype)     # once, at pack time
@@ -90,6 +92,14 @@ def small_linear(dtype: torch.dtype) -> Optional[Callable]:
     if dtype == torch.bfloat16:
         return st.module.linear_bf16 if st.bf16 else None
     return st.module.linear_fp32
+
+
+def fused_ops() -> Optional[tuple[Callable, Callable]]:
+    """(rms_norm(x, w, eps), attention(q, k, v, mask)): row-stable fp32 ops, or None here."""
+    st = state()
+    if st.module is None:
+        return None
+    return st.module.rms_norm, st.module.attention
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

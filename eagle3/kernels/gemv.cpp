@@ -10,10 +10,16 @@
 //   linear_bf16: packed [O/32, I/2, 32, 2] bf16 (pairs of inputs, AVX512-BF16 dot products);
 //                x [M, I] bf16 (I even), fp32 accumulate and out
 //   linear_fp32: packed [O/32, I, 32] fp32; x [M, I] fp32; fp32 FMA
+//
+// Also row-stable fused ops for the same forwards (one pass per row, fixed order, fp32):
+//   rms_norm:  y = x / sqrt(mean(x^2) + eps) * w, per row of [N, H]
+//   attention: softmax(q k^T / sqrt(D) + mask) v per query row, GQA, over a cache prefix
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <cmath>
+#include <vector>
 #include <cstdint>
 
 namespace {
@@ -128,7 +134,143 @@ torch::Tensor linear_fp32(torch::Tensor x, torch::Tensor packed, c10::optional<t
   return y;
 }
 
+
+// ---------------------------------------------------------------------------------- fused ops
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+// e^x for x <= 0 (Cephes expf polynomial, 2^n by scalef); lanes are independent
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out[0..16*ND) = inv * sum_j p[j] * v[j], j in order
+template <int ND>
+inline void weighted_sum(const float* p, const float* v, int64_t ldv, int64_t S, float inv, float* out) {
+  __m512 a[ND];
+  for (int d = 0; d < ND; ++d) a[d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < S; ++j) {
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    for (int d = 0; d < ND; ++d) a[d] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * ldv + 16 * d), a[d]);
+  }
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(a[d], iv));
+}
+
+}  // namespace
+
+// x [N, H] fp32 contiguous, w [H] fp32 -> [N, H]
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "fp32 expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1), "contiguous x [.., H], w [H]");
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * H;
+      const float scale = 1.0f / std::sqrt(dot(xr, xr, H) / (float)H + (float)eps);
+      for (int64_t i = 0; i < H; ++i) yp[r * H + i] = xr[i] * scale * wp[i];
+    }
+  });
+  return y;
+}
+
+// q [B, Hq, T, D] fp32 contiguous; k, v [B, Hkv, S, D] fp32 views with unit stride on D (a cache
+// prefix); mask: None, or bool broadcastable as [B|1, 1, T, S] contiguous (True = may attend).
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+              v.scalar_type() == torch::kFloat32, "fp32 q, k, v expected");
+  TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1, "q contiguous, k/v unit stride on D");
+  const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), group = Hq / Hkv;
+  TORCH_CHECK(Hq % Hkv == 0 && k.size(0) == B && v.size(2) == S && k.size(3) == D, "shapes");
+  const bool* mp = nullptr;
+  int64_t mask_b = 0;
+  if (mask) {
+    TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 4 &&
+                mask->size(1) == 1 && mask->size(2) == T && mask->size(3) == S &&
+                (mask->size(0) == 1 || mask->size(0) == B), "mask must be bool [B|1, 1, T, S]");
+    mp = mask->data_ptr<bool>();
+    mask_b = mask->size(0) == 1 ? 0 : T * S;
+  }
+  auto out = torch::empty_like(q);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt((float)D);
+  at::parallel_for(0, B * Hq * T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> sc(S + 16);
+    std::vector<float> acc(D);
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / (Hq * T), h = (r / T) % Hq, t = r % T, g = h / group;
+      const float* qr = qp + r * D;
+      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
+      const float* vb = vp + b * v.stride(0) + g * v.stride(1);
+      const bool* mr = mp ? mp + b * mask_b + t * S : nullptr;
+      float mx = -INFINITY;
+      for (int64_t s = 0; s < S; ++s) {
+        const bool ok = !mr || mr[s];
+        sc[s] = ok ? dot(qr, kb + s * k.stride(2), D) * scale : -INFINITY;
+        mx = std::max(mx, sc[s]);
+      }
+      __m512 sum16 = _mm512_setzero_ps();
+      int64_t s = 0;
+      for (; s < S; s += 16) {
+        const __mmask16 m = S - s >= 16 ? 0xFFFF : (__mmask16)((1u << (S - s)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, sc.data() + s);
+        const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
+        _mm512_mask_storeu_ps(sc.data() + s, m, p);
+        sum16 = _mm512_add_ps(sum16, p);
+      }
+      const float inv = 1.0f / _mm512_reduce_add_ps(sum16);
+      float* orow = op + r * D;
+      if (D == 64) {
+        weighted_sum<4>(sc.data(), vb, v.stride(2), S, inv, orow);
+      } else if (D == 128) {
+        weighted_sum<8>(sc.data(), vb, v.stride(2), S, inv, orow);
+      } else {
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t j = 0; j < S; ++j) {
+          const float* vr = vb + j * v.stride(2);
+          for (int64_t d = 0; d < D; ++d) acc[d] += sc[j] * vr[d];
+        }
+        for (int64_t d = 0; d < D; ++d) orow[d] = acc[d] * inv;
+      }
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "small-M linear: packed bf16 weight, bf16 x, fp32 out");
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
+  m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
+  m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32");
 }

@@ -15,12 +15,18 @@ from .config import RopeConfig
 
 
 class RMSNorm(nn.Module):
+    """`fused` (set by models.packed for frozen CPU models): eagle3.kernels' one-pass norm."""
+
+    fused = None
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused is not None and x.dtype == torch.float32:
+            return self.fused(x.contiguous(), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -106,9 +112,11 @@ class Attention(nn.Module):
     """GQA self-attention whose keys/values live in a caller-owned static cache buffer.
 
     `row_stable` (set by models.packed for low-precision weights) swaps SDPA for
-    row_stable_attention."""
+    row_stable_attention, or for `fused` (eagle3.kernels' fp32 row-stable attention) where the
+    CPU has it."""
 
     row_stable = False
+    fused = None
 
     def __init__(self, hidden_in: int, hidden_out: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, qkv_bias: bool = False, o_bias: bool = False,
@@ -144,7 +152,10 @@ class Attention(nn.Module):
         end = start + seq
         k_buf[:, :, start:end] = k
         v_buf[:, :, start:end] = v.transpose(1, 2)
-        if self.row_stable:
+        if self.fused is not None:
+            out = self.fused(q.contiguous(), k_buf[:, :, :end], v_buf[:, :, :end],
+                             None if mask is None else mask.contiguous())
+        elif self.row_stable:
             out = row_stable_attention(q, k_buf[:, :, :end], v_buf[:, :, :end], mask)
         else:
             out = F.scaled_dot_product_attention(

@@ -103,13 +103,19 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
     rounds differently), and row_stable=True (for a target whose greedy speculative output must
     equal its plain decoding) makes the attention row-stable too (layers.row_stable_attention).
     """
-    from .layers import MLP, Attention
+    from .. import kernels
+    from .layers import MLP, Attention, RMSNorm
     small_rows = STABLE_ROWS if row_stable else SMALL_ROWS
-    if row_stable and hasattr(model, "kv_dtype"):
+    cpu = next(model.parameters()).device.type == "cpu"
+    fused = kernels.fused_ops() if cpu else None
+    if row_stable and fused is None and hasattr(model, "kv_dtype"):
         model.kv_dtype = torch.float64           # row-stable attention reads fp64 without a copy
     for module in list(model.modules()):
+        if isinstance(module, RMSNorm) and fused is not None:
+            module.fused = fused[0]
         if isinstance(module, Attention):
             module.row_stable = row_stable
+            module.fused = fused[1] if row_stable and fused is not None else None
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
             module.qkv = _cat_linear(module.q_proj, module.k_proj, module.v_proj,
                                      weight_dtype=weight_dtype, small_rows=small_rows)
