@@ -129,3 +129,20 @@ def test_row_stable_packing_uses_fused_ops_and_an_fp32_cache(tmp_path):
     model = pack_for_inference(model, torch.bfloat16, row_stable=True)
     assert model.kv_dtype is None and model.norm.fused is not None
     assert all(layer.self_attn.fused is not None for layer in model.layers)
+
+
+@needs
+def test_fused_attention_ignores_where_masked_keys_sit():
+    """A tree node in a verify block sees its ancestors between masked siblings; decoded alone it
+    sees them contiguous. Row-stable means the same bits either way (an fp32 sum split by key
+    position into vector lanes would differ in the last bit, and bf16 weights amplify that)."""
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(3)
+    for trial in range(20):
+        k, v = torch.randn(1, 1, 80, 64, generator=g), torch.randn(1, 1, 80, 64, generator=g)
+        q = torch.randn(1, 3, 1, 64, generator=g) * 3
+        keep = torch.rand(80, generator=g) > 0.5
+        keep[0] = True
+        sparse = attn(q, k, v, keep.view(1, 1, 1, 80).contiguous())
+        dense = attn(q, k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), None)
+        assert torch.equal(sparse, dense), trial

@@ -166,7 +166,7 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// out[0..16*ND) = inv * sum_j p[j] * v[j], j in order
+// out[0..16*ND) = inv * sum_j p[j] * v[j], j in order (zero terms change nothing)
 template <int ND>
 inline void weighted_sum(const float* p, const float* v, int64_t ldv, int64_t S, float inv, float* out) {
   __m512 a[ND];
@@ -239,17 +239,18 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         sc[s] = ok ? dot(qr, kb + s * k.stride(2), D) * scale : -INFINITY;
         mx = std::max(mx, sc[s]);
       }
-      __m512 sum16 = _mm512_setzero_ps();
-      int64_t s = 0;
-      for (; s < S; s += 16) {
+      for (int64_t s = 0; s < S; s += 16) {
         const __mmask16 m = S - s >= 16 ? 0xFFFF : (__mmask16)((1u << (S - s)) - 1);
         const __m512 x = _mm512_maskz_loadu_ps(m, sc.data() + s);
         const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx))));
-        _mm512_mask_storeu_ps(sc.data() + s, m, p);
-        sum16 = _mm512_add_ps(sum16, p);
+        _mm512_mask_storeu_ps(sc.data() + s, m,
+                              _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx)))));
       }
-      const float inv = 1.0f / _mm512_reduce_add_ps(sum16);
+      // sums run over the keys in order, one at a time: masked keys add exact zeros, so a tree
+      // node whose ancestors sit between masked siblings gets the bits of its path decoded alone
+      float sum = 0.0f;
+      for (int64_t s = 0; s < S; ++s) sum += sc[s];
+      const float inv = 1.0f / sum;
       float* orow = op + r * D;
       if (D == 64) {
         weighted_sum<4>(sc.data(), vb, v.stride(2), S, inv, orow);
