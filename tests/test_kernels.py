@@ -146,3 +146,14 @@ def test_fused_attention_ignores_where_masked_keys_sit():
         sparse = attn(q, k, v, keep.view(1, 1, 1, 80).contiguous())
         dense = attn(q, k[:, :, keep].contiguous(), v[:, :, keep].contiguous(), None)
         assert torch.equal(sparse, dense), trial
+
+
+@needs
+def test_packed_linear_without_onednn_serves_large_blocks(monkeypatch):
+    from eagle3.models import packed as packed_mod
+    monkeypatch.setattr(packed_mod, "_onednn_ok", lambda: False)
+    lin = torch.nn.Linear(64, 40, bias=False)
+    packed = packed_mod.PackedLinear(lin.weight)
+    for rows in (1, 20):
+        x = torch.randn(rows, 64)
+        assert torch.allclose(packed(x), lin(x), atol=1e-5)

@@ -50,17 +50,17 @@ class PackedLinear(nn.Module):
         if weight.device.type == "cpu" and weight.dtype == torch.float32 and _onednn_ok():
             w = weight.contiguous().to(weight_dtype)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT)
-        self.small, self.small_rows, self.small_weight = None, small_rows, None
         even = weight_dtype != torch.bfloat16 or self.in_features % 2 == 0
-        if weight.device.type == "cpu" and even and kernels.small_linear(weight_dtype) is not None:
-            self.small = kernels.small_linear(weight_dtype)
-            self.small_weight = kernels.pack_weight(weight, weight_dtype)
+        cpu = weight.device.type == "cpu"
+        self.small = kernels.small_linear(weight_dtype) if cpu and even else None
+        self.small_rows = small_rows
+        self.small_weight = kernels.pack_weight(weight, weight_dtype) if self.small else None
         if weight_dtype != torch.float32:
             if self.packed is None:
                 raise ValueError(f"{weight_dtype} weights need oneDNN on the CPU")
             self.weight_t = None  # every call goes through the bf16 kernels
-        elif self.small is not None:
-            self.weight_t = None  # the small-M kernel serves the one-row calls
+        elif self.small is not None and self.packed is not None:
+            self.weight_t = None  # small-M kernel for few rows, oneDNN for the rest
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -75,7 +75,7 @@ class PackedLinear(nn.Module):
             y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, None, "none", [], "")[:rows].float()
             y = y if self.bias is None else y + self.bias
             return y.view(*x.shape[:-1], self.out_features)
-        if self.packed is None or (rows == 1 and torch.get_num_threads() == 1 and self.weight_t is not None):
+        if self.packed is None or (rows == 1 and torch.get_num_threads() == 1):
             y = x @ self.weight_t
             return y if self.bias is None else y + self.bias
         flat = x.reshape(rows, self.in_features)
