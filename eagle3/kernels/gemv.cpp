@@ -41,35 +41,36 @@ inline void store(float* y, __m512 a0, __m512 a1, const float* bias, int valid) 
   }
 }
 
-template <int MT>
-void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t I2, float* y, int64_t ldy,
-               const float* bias, int valid) {
-  __m512 a0[MT], a1[MT];
-  for (int j = 0; j < MT; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < I2; ++p) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + p * kBlock);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + p * kBlock + 16);
-    for (int j = 0; j < MT; ++j) {
-      const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[j * ldx + p]);
-      a0[j] = _mm512_dpbf16_ps(a0[j], xv, w0);
-      a1[j] = _mm512_dpbf16_ps(a1[j], xv, w1);
-    }
-  }
-  for (int j = 0; j < MT; ++j) store(y + j * ldy, a0[j], a1[j], bias, valid);
-}
+// The two weight formats differ only in how a weight vector is loaded, an input broadcast and the
+// multiply-accumulate done: bf16 pairs (16 lanes x 2 inputs, dot products) or fp32 (16 x 1, FMA).
+struct Bf16Ops {
+  using T = uint32_t;              // a pair of bf16 values
+  using V = __m512bh;
+  static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
+  static V bcast(T x) { return (V)_mm512_set1_epi32((int)x); }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+};
 
-template <int MT>
-void tile_fp32(const float* x, int64_t ldx, const float* w, int64_t I, float* y, int64_t ldy,
-               const float* bias, int valid) {
+struct Fp32Ops {
+  using T = float;
+  using V = __m512;
+  static V load(const T* p) { return _mm512_loadu_ps(p); }
+  static V bcast(T x) { return _mm512_set1_ps(x); }
+  static __m512 fma(__m512 acc, V x, V w) { return _mm512_fmadd_ps(x, w, acc); }
+};
+
+// MT rows of x against one 32-output block; depth = inputs (fp32) or input pairs (bf16)
+template <class Ops, int MT>
+void tile(const typename Ops::T* x, int64_t ldx, const typename Ops::T* w, int64_t depth, float* y,
+          int64_t ldy, const float* bias, int valid) {
   __m512 a0[MT], a1[MT];
   for (int j = 0; j < MT; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < I; ++i) {
-    const __m512 w0 = _mm512_loadu_ps(w + i * kBlock);
-    const __m512 w1 = _mm512_loadu_ps(w + i * kBlock + 16);
+  for (int64_t p = 0; p < depth; ++p) {
+    const typename Ops::V w0 = Ops::load(w + p * kBlock), w1 = Ops::load(w + p * kBlock + 16);
     for (int j = 0; j < MT; ++j) {
-      const __m512 xv = _mm512_set1_ps(x[j * ldx + i]);
-      a0[j] = _mm512_fmadd_ps(xv, w0, a0[j]);
-      a1[j] = _mm512_fmadd_ps(xv, w1, a1[j]);
+      const typename Ops::V xv = Ops::bcast(x[j * ldx + p]);
+      a0[j] = Ops::fma(a0[j], xv, w0);
+      a1[j] = Ops::fma(a1[j], xv, w1);
     }
   }
   for (int j = 0; j < MT; ++j) store(y + j * ldy, a0[j], a1[j], bias, valid);
@@ -102,10 +103,10 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const c10::optio
 
 using TileBf16 = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, const float*, int);
 using TileFp32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, int);
-const TileBf16 kTilesBf16[kMaxTile] = {tile_bf16<1>, tile_bf16<2>, tile_bf16<3>, tile_bf16<4>,
-                                       tile_bf16<5>, tile_bf16<6>, tile_bf16<7>, tile_bf16<8>};
-const TileFp32 kTilesFp32[kMaxTile] = {tile_fp32<1>, tile_fp32<2>, tile_fp32<3>, tile_fp32<4>,
-                                       tile_fp32<5>, tile_fp32<6>, tile_fp32<7>, tile_fp32<8>};
+const TileBf16 kTilesBf16[kMaxTile] = {tile<Bf16Ops, 1>, tile<Bf16Ops, 2>, tile<Bf16Ops, 3>, tile<Bf16Ops, 4>,
+                                       tile<Bf16Ops, 5>, tile<Bf16Ops, 6>, tile<Bf16Ops, 7>, tile<Bf16Ops, 8>};
+const TileFp32 kTilesFp32[kMaxTile] = {tile<Fp32Ops, 1>, tile<Fp32Ops, 2>, tile<Fp32Ops, 3>, tile<Fp32Ops, 4>,
+                                       tile<Fp32Ops, 5>, tile<Fp32Ops, 6>, tile<Fp32Ops, 7>, tile<Fp32Ops, 8>};
 
 }  // namespace
 
