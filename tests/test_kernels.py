@@ -157,3 +157,13 @@ def test_packed_linear_without_onednn_serves_large_blocks(monkeypatch):
     for rows in (1, 20):
         x = torch.randn(rows, 64)
         assert torch.allclose(packed(x), lin(x), atol=1e-5)
+
+
+@needs
+def test_fused_attention_names_a_shape_mismatch():
+    _, attn = kernels.fused_ops()
+    q, k = torch.randn(1, 4, 1, 64), torch.randn(1, 2, 10, 64)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        attn(q, k, torch.randn(1, 2, 10, 32), None)
+    with pytest.raises(RuntimeError, match="heads/keys"):
+        attn(q, k, torch.randn(1, 2, 9, 64), None)

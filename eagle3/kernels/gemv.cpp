@@ -209,7 +209,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1, "q contiguous, k/v unit stride on D");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), group = Hq / Hkv;
-  TORCH_CHECK(Hq % Hkv == 0 && k.size(0) == B && v.size(2) == S && k.size(3) == D, "shapes");
+  TORCH_CHECK(Hq % Hkv == 0, "query heads ", Hq, " not a multiple of kv heads ", Hkv);
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "batch: q ", B, ", k ", k.size(0), ", v ", v.size(0));
+  TORCH_CHECK(v.size(1) == Hkv && v.size(2) == S, "v [", v.size(1), ", ", v.size(2), "] != k heads/keys [", Hkv, ", ", S, "]");
+  TORCH_CHECK(k.size(3) == D && v.size(3) == D, "head_dim: q ", D, ", k ", k.size(3), ", v ", v.size(3));
   const bool* mp = nullptr;
   int64_t mask_b = 0;
   if (mask) {
