@@ -161,6 +161,15 @@ def draft_gguf_for(draft, target_config, hf_dir: Path, converter: Path) -> Path:
     return out
 
 
+def converter_missing_modules() -> list[str]:
+    """Modules convert_hf_to_gguf.py imports before it can fall back to a tokenizer.json vocab.
+
+    Without sentencepiece its Llama path dies on the import instead of reaching the fallback.
+    """
+    import importlib.util
+    return [m for m in ("sentencepiece", "gguf") if importlib.util.find_spec(m) is None]
+
+
 def convert(converter: Path, draft_dir: Path, hf_dir: Path, out: Path) -> None:
     """llama.cpp's converter, written to a temporary name first (a crash leaves no cached file)."""
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -181,6 +190,10 @@ def build_eagle3(draft, target_config, hf_dir: Path, gguf: Path, depth: int, thr
         return [], [(name, "no draft")]
     if not binary.is_file() or not converter.is_file():
         return [], [(name, f"{binary} not built (optional: bash scripts/build_llama_cpp.sh)")]
+    missing = converter_missing_modules()
+    if missing:
+        return [], [(name, f"llama.cpp's converter needs {', '.join(missing)}: "
+                           f"pip install {' '.join(missing)} (or pip install -e '.[bench]')")]
     try:
         draft_gguf = draft_gguf_for(draft, target_config, hf_dir, converter)
     except RuntimeError as e:
