@@ -167,3 +167,42 @@ def test_fused_attention_names_a_shape_mismatch():
         attn(q, k, torch.randn(1, 2, 10, 32), None)
     with pytest.raises(RuntimeError, match="heads/keys"):
         attn(q, k, torch.randn(1, 2, 9, 64), None)
+
+
+@needs
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weights):
+    """rope_qkv (split + rotary + cache write in one call) rounds exactly as the torch ops do."""
+    from eagle3.models.layers import tree_block_mask
+    from eagle3.models.packed import pack_for_inference
+    from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
+    if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
+        pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
+    model = native_from_hf(hf_model_from_dict(FAMILIES[family]), tmp_path)
+    model = pack_for_inference(model, torch.bfloat16 if weights == "bf16" else torch.float32,
+                               row_stable=weights == "bf16")
+    attns = [layer.self_attn for layer in model.layers]
+    assert all(a.fused_rope is not None for a in attns)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 13), generator=g)
+    block = torch.randint(0, model.config.vocab_size, (1, 6), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
+                         [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+
+    def run():
+        cache = model.new_cache(64)
+        first = model(prompt, torch.arange(13), cache, capture_ids=[0, 1])
+        one = model(block[:, :1], torch.tensor([13]), cache)
+        cache.truncate(13)
+        verify = model(block, torch.tensor([13, 14, 14, 15, 15, 16]), cache,
+                       attn_mask=tree_block_mask(13, tree))
+        k, v = cache.layer(1)
+        return [first.logits, first.aux, one.logits, verify.logits, k[:, :, :19], v[:, :, :19]]
+
+    fused = run()
+    for a in attns:
+        a.fused_rope = None
+    composite = run()
+    for x, y in zip(fused, composite):
+        assert torch.equal(x, y)

@@ -26,7 +26,8 @@ import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 BLOCK = 32                      # outputs per packed block (gemv.cpp kBlock)
-CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+# no FMA contraction: where a kernel replaces torch ops (rope_qkv) it must round as they do
+CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 
 
 class KernelState(NamedTuple):
@@ -100,6 +101,12 @@ def fused_ops() -> Optional[tuple[Callable, Callable]]:
     if st.module is None:
         return None
     return st.module.rms_norm, st.module.attention
+
+
+def rope_qkv() -> Optional[Callable]:
+    """rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv) -> q: rotary + cache write, or None."""
+    st = state()
+    return None if st.module is None else st.module.rope_qkv
 
 
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

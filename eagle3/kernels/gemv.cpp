@@ -167,19 +167,6 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// out[0..16*ND) = inv * sum_j p[j] * v[j], j in order (zero terms change nothing)
-template <int ND>
-inline void weighted_sum(const float* p, const float* v, int64_t ldv, int64_t S, float inv, float* out) {
-  __m512 a[ND];
-  for (int d = 0; d < ND; ++d) a[d] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < S; ++j) {
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    for (int d = 0; d < ND; ++d) a[d] = _mm512_fmadd_ps(pj, _mm512_loadu_ps(v + j * ldv + 16 * d), a[d]);
-  }
-  const __m512 iv = _mm512_set1_ps(inv);
-  for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out + 16 * d, _mm512_mul_ps(a[d], iv));
-}
-
 }  // namespace
 
 // x [N, H] fp32 contiguous, w [H] fp32 -> [N, H]
@@ -201,8 +188,46 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
+namespace {
+
+// out_i[0..16*ND) = inv_i * sum_j p_i[j] * v[j] for G rows sharing v, j in order for each row
+// (the same additions as one row alone: rows only share the loads of v)
+template <int ND, int G>
+inline void weighted_sums(const float* const* p, const float* v, int64_t ldv, int64_t S,
+                          const float* inv, float* const* out) {
+  __m512 a[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) a[i][d] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < S; ++j) {
+    __m512 vj[ND];
+    for (int d = 0; d < ND; ++d) vj[d] = _mm512_loadu_ps(v + j * ldv + 16 * d);
+    for (int i = 0; i < G; ++i) {
+      const __m512 pj = _mm512_set1_ps(p[i][j]);
+      for (int d = 0; d < ND; ++d) a[i][d] = _mm512_fmadd_ps(pj, vj[d], a[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i) {
+    const __m512 iv = _mm512_set1_ps(inv[i]);
+    for (int d = 0; d < ND; ++d) _mm512_storeu_ps(out[i] + 16 * d, _mm512_mul_ps(a[i][d], iv));
+  }
+}
+
+template <int ND>
+void weighted_sums_rows(const float* const* p, const float* v, int64_t ldv, int64_t S,
+                        const float* inv, float* const* out, int64_t rows) {
+  constexpr int G = ND <= 4 ? 4 : 2;       // G * ND accumulators stay in the 32 zmm registers
+  int64_t i = 0;
+  for (; i + G <= rows; i += G) weighted_sums<ND, G>(p + i, v, ldv, S, inv + i, out + i);
+  for (; i < rows; ++i) weighted_sums<ND, 1>(p + i, v, ldv, S, inv + i, out + i);
+}
+
+}  // namespace
+
 // q [B, Hq, T, D] fp32 contiguous; k, v [B, Hkv, S, D] fp32 views with unit stride on D (a cache
 // prefix); mask: None, or bool broadcastable as [B|1, 1, T, S] contiguous (True = may attend).
+// One work item is the `group` query heads of one kv head at one query position: they share
+// every k and v row, and their independent dot products and sums keep the core busy. Each row's
+// arithmetic is the same whatever else is in the item.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask) {
   TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
               v.scalar_type() == torch::kFloat32, "fp32 q, k, v expected");
@@ -228,49 +253,129 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
-  at::parallel_for(0, B * Hq * T, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> sc(S + 16);
-    std::vector<float> acc(D);
+  const int64_t ld = S + 16;                  // one score row per head of the item
+  at::parallel_for(0, B * Hkv * T, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<float> sc(group * ld), mx(group), sum(group), inv(group), acc(D);
+    std::vector<const float*> qrow(group), prow(group);
+    std::vector<float*> orow(group);
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (Hq * T), h = (r / T) % Hq, t = r % T, g = h / group;
-      const float* qr = qp + r * D;
+      const int64_t b = r / (Hkv * T), g = (r / T) % Hkv, t = r % T;
       const float* kb = kp + b * k.stride(0) + g * k.stride(1);
       const float* vb = vp + b * v.stride(0) + g * v.stride(1);
       const bool* mr = mp ? mp + b * mask_b + t * S : nullptr;
-      float mx = -INFINITY;
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t row = (b * Hq + g * group + i) * T + t;
+        qrow[i] = qp + row * D;
+        orow[i] = op + row * D;
+        prow[i] = sc.data() + i * ld;
+        mx[i] = -INFINITY;
+      }
       for (int64_t s = 0; s < S; ++s) {
         const bool ok = !mr || mr[s];
-        sc[s] = ok ? dot(qr, kb + s * k.stride(2), D) * scale : -INFINITY;
-        mx = std::max(mx, sc[s]);
+        const float* kr = kb + s * k.stride(2);
+        for (int64_t i = 0; i < group; ++i) {
+          const float x = ok ? dot(qrow[i], kr, D) * scale : -INFINITY;
+          sc[i * ld + s] = x;
+          mx[i] = std::max(mx[i], x);
+        }
       }
-      for (int64_t s = 0; s < S; s += 16) {
-        const __mmask16 m = S - s >= 16 ? 0xFFFF : (__mmask16)((1u << (S - s)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(m, sc.data() + s);
-        const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        _mm512_mask_storeu_ps(sc.data() + s, m,
-                              _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx)))));
+      for (int64_t i = 0; i < group; ++i) {
+        float* si = sc.data() + i * ld;
+        for (int64_t s = 0; s < S; s += 16) {
+          const __mmask16 m = S - s >= 16 ? 0xFFFF : (__mmask16)((1u << (S - s)) - 1);
+          const __m512 x = _mm512_maskz_loadu_ps(m, si + s);
+          const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+          _mm512_mask_storeu_ps(si + s, m,
+                                _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx[i])))));
+        }
+        sum[i] = 0.0f;
       }
       // sums run over the keys in order, one at a time: masked keys add exact zeros, so a tree
       // node whose ancestors sit between masked siblings gets the bits of its path decoded alone
-      float sum = 0.0f;
-      for (int64_t s = 0; s < S; ++s) sum += sc[s];
-      const float inv = 1.0f / sum;
-      float* orow = op + r * D;
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t i = 0; i < group; ++i) sum[i] += sc[i * ld + s];
+      for (int64_t i = 0; i < group; ++i) inv[i] = 1.0f / sum[i];
       if (D == 64) {
-        weighted_sum<4>(sc.data(), vb, v.stride(2), S, inv, orow);
+        weighted_sums_rows<4>(prow.data(), vb, v.stride(2), S, inv.data(), orow.data(), group);
       } else if (D == 128) {
-        weighted_sum<8>(sc.data(), vb, v.stride(2), S, inv, orow);
+        weighted_sums_rows<8>(prow.data(), vb, v.stride(2), S, inv.data(), orow.data(), group);
       } else {
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t j = 0; j < S; ++j) {
-          const float* vr = vb + j * v.stride(2);
-          for (int64_t d = 0; d < D; ++d) acc[d] += sc[j] * vr[d];
+        for (int64_t i = 0; i < group; ++i) {
+          std::fill(acc.begin(), acc.end(), 0.0f);
+          for (int64_t j = 0; j < S; ++j) {
+            const float* vr = vb + j * v.stride(2);
+            for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(prow[i][j], vr[d], acc[d]);
+          }
+          for (int64_t d = 0; d < D; ++d) orow[i][d] = acc[d] * inv[i];
         }
-        for (int64_t d = 0; d < D; ++d) orow[d] = acc[d] * inv;
       }
     }
   });
   return out;
+}
+
+// qkv [B*T, (Hq + 2 Hkv) * D] fp32 contiguous (rows b-major); cos, sin [B, 1, T, D] fp32
+// contiguous (HF's rotate-half tables); k_buf, v_buf [B, Hkv, S, D] fp32 with unit stride on D.
+// Rotates q and k, writes k and v into rows start..start+T of the buffers and returns q as
+// [B, Hq, T, D]. Each element is x*cos + rotate_half(x)*sin rounded as torch rounds it (two
+// products, one sum; the build has no FMA contraction), so it equals the composite torch path bit
+// for bit and a row never depends on the others.
+torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf,
+                       torch::Tensor v_buf, int64_t start, int64_t Hq, int64_t Hkv) {
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
+              sin.scalar_type() == torch::kFloat32 && k_buf.scalar_type() == torch::kFloat32 &&
+              v_buf.scalar_type() == torch::kFloat32, "fp32 qkv, cos, sin and kv buffers expected");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "qkv [B*T, W], cos/sin [B, 1, T, D] contiguous");
+  TORCH_CHECK(cos.dim() == 4 && cos.size(1) == 1 && cos.sizes() == sin.sizes(), "cos/sin must be [B, 1, T, D]");
+  const int64_t B = cos.size(0), T = cos.size(2), D = cos.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head_dim ", D, " must be even");
+  TORCH_CHECK(qkv.size(0) == B * T && qkv.size(1) == (Hq + 2 * Hkv) * D,
+              "qkv [", qkv.size(0), ", ", qkv.size(1), "] != [B*T, (Hq + 2 Hkv) * D] = [", B * T, ", ",
+              (Hq + 2 * Hkv) * D, "]");
+  TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && k_buf.size(0) == B && v_buf.size(0) == B &&
+              k_buf.size(1) == Hkv && v_buf.size(1) == Hkv && k_buf.size(3) == D && v_buf.size(3) == D &&
+              k_buf.stride(3) == 1 && v_buf.stride(3) == 1, "kv buffers must be [B, Hkv, S, D] with unit stride on D");
+  TORCH_CHECK(start >= 0 && start + T <= k_buf.size(2) && start + T <= v_buf.size(2),
+              "rows ", start, "..", start + T, " exceed the kv buffer of ", k_buf.size(2));
+  auto q = torch::empty({B, Hq, T, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_buf.data_ptr<float>();
+  float* vp = v_buf.data_ptr<float>();
+  const int64_t W = qkv.size(1), heads = Hq + 2 * Hkv;
+  const int64_t grain = std::max<int64_t>(1, 4096 / (D * heads));
+  at::parallel_for(0, B * T, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T, t = r % T;
+      const float* c = cp + r * D;
+      const float* sn = sp + r * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = src + r * W + h * D;
+        float* dst;
+        if (h < Hq) {
+          dst = qp + ((b * Hq + h) * T + t) * D;
+        } else if (h < Hq + Hkv) {
+          dst = kp + b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + (start + t) * k_buf.stride(2);
+        } else {
+          dst = vp + b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + (start + t) * v_buf.stride(2);
+          for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+          continue;
+        }
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = x[d] * c[d], e = -x[d + half] * sn[d];
+          dst[d] = a + e;
+        }
+        for (int64_t d = half; d < D; ++d) {
+          const float a = x[d] * c[d], e = x[d - half] * sn[d];
+          dst[d] = a + e;
+        }
+      }
+    }
+  });
+  return q;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -278,4 +383,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
   m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32");
+  m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32");
 }

@@ -113,10 +113,11 @@ class Attention(nn.Module):
 
     `row_stable` (set by models.packed for low-precision weights) swaps SDPA for
     row_stable_attention, or for `fused` (eagle3.kernels' fp32 row-stable attention) where the
-    CPU has it."""
+    CPU has it. `fused_rope` does split, rotary and the cache write of a fused qkv in one call."""
 
     row_stable = False
     fused = None
+    fused_rope = None   # eagle3.kernels.rope_qkv (set by models.packed on CPUs that have it)
 
     def __init__(self, hidden_in: int, hidden_out: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, qkv_bias: bool = False, o_bias: bool = False,
@@ -141,6 +142,13 @@ class Attention(nn.Module):
                 mask: Optional[torch.Tensor]) -> torch.Tensor:
         # x [B, T, hidden_in]; k_buf/v_buf [B, kv_heads, S, D]; mask bool [B|1, 1, T, start+T] or None
         bsz, seq, _ = x.shape
+        end = start + seq
+        if (self.fused_rope is not None and hasattr(self, "qkv") and self.q_norm is None
+                and x.dtype == k_buf.dtype == torch.float32):
+            # one kernel for split, rotary, cache write and the q layout, same bits as below
+            q = self.fused_rope(self.qkv(x).view(bsz * seq, -1), cos, sin, k_buf, v_buf, start,
+                                self.num_heads, self.num_kv_heads)
+            return self.o_proj(self.attend(q, k_buf, v_buf, end, mask).transpose(1, 2).reshape(bsz, seq, -1))
         q, k, v = self.project_qkv(x)
         q = q.view(bsz, seq, self.num_heads, self.head_dim)
         k = k.view(bsz, seq, self.num_kv_heads, self.head_dim)
@@ -149,19 +157,21 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
         k = apply_rotary(k.transpose(1, 2), cos, sin)
-        end = start + seq
         k_buf[:, :, start:end] = k
         v_buf[:, :, start:end] = v.transpose(1, 2)
+        return self.o_proj(self.attend(q, k_buf, v_buf, end, mask).transpose(1, 2).reshape(bsz, seq, -1))
+
+    def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, end: int,
+               mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """softmax(q k^T) v over the cache prefix [:end]: q [B, H, T, D] -> [B, H, T, D]."""
         if self.fused is not None:
-            out = self.fused(q.contiguous(), k_buf[:, :, :end], v_buf[:, :, :end],
-                             None if mask is None else mask.contiguous())
-        elif self.row_stable:
-            out = row_stable_attention(q, k_buf[:, :, :end], v_buf[:, :, :end], mask)
-        else:
-            out = F.scaled_dot_product_attention(
-                q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=mask,
-                enable_gqa=self.num_kv_heads != self.num_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, seq, -1))
+            return self.fused(q.contiguous(), k_buf[:, :, :end], v_buf[:, :, :end],
+                              None if mask is None else mask.contiguous())
+        if self.row_stable:
+            return row_stable_attention(q, k_buf[:, :, :end], v_buf[:, :, :end], mask)
+        return F.scaled_dot_product_attention(
+            q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=mask,
+            enable_gqa=self.num_kv_heads != self.num_heads)
 
 
 class MLP(nn.Module):

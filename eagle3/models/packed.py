@@ -116,6 +116,7 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
         if isinstance(module, Attention):
             module.row_stable = row_stable
             module.fused = fused[1] if row_stable and fused is not None else None
+            module.fused_rope = kernels.rope_qkv() if cpu else None
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
             module.qkv = _cat_linear(module.q_proj, module.k_proj, module.v_proj,
                                      weight_dtype=weight_dtype, small_rows=small_rows)
