@@ -206,3 +206,17 @@ def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weig
     composite = run()
     for x, y in zip(fused, composite):
         assert torch.equal(x, y)
+
+
+@needs
+def test_kernels_run_on_every_torch_thread():
+    """The parallel regions are OpenMP pragmas: a build without -fopenmp ran on one thread."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert kernels.parallel_threads() == 2
+        assert "2 of 2 threads" in kernels.why()
+        torch.set_num_threads(1)
+        assert kernels.parallel_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -26,8 +26,10 @@ import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 BLOCK = 32                      # outputs per packed block (gemv.cpp kBlock)
-# no FMA contraction: where a kernel replaces torch ops (rope_qkv) it must round as they do
-CFLAGS = ["-O3", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+# no FMA contraction: where a kernel replaces torch ops (rope_qkv) it must round as they do.
+# -fopenmp: at::parallel_for is an OpenMP pragma in the headers; without the flag every kernel
+# ran on one thread whatever torch.get_num_threads() said
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
 
 
 class KernelState(NamedTuple):
@@ -64,7 +66,7 @@ def _build() -> KernelState:
     build_dir = cache_root() / "kernels" / digest
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        module = load(f"eagle3_gemv_{digest}", [str(SOURCE)], extra_cflags=CFLAGS,
+        module = load(f"eagle3_gemv_{digest}", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
                       build_directory=str(build_dir), verbose=False)
     except Exception as exc:  # a compiler or ninja missing: oneDNN serves every call
         print(f"eagle3: small-M kernels not built ({type(exc).__name__}: {exc}); using oneDNN",
@@ -82,7 +84,16 @@ def state() -> KernelState:
 
 
 def why() -> str:
-    return state().reason
+    st = state()
+    if st.module is None:
+        return st.reason
+    return f"{st.reason}, {parallel_threads()} of {torch.get_num_threads()} threads"
+
+
+def parallel_threads() -> int:
+    """Threads a kernel's parallel region gets now (0 without the kernels)."""
+    st = state()
+    return 0 if st.module is None else int(st.module.parallel_threads())
 
 
 def small_linear(dtype: torch.dtype) -> Optional[Callable]:
