@@ -19,7 +19,7 @@ from eagle3 import kernels
 from eagle3.models.layers import row_stable_attention
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
-ROWS = (1, 2, 4, 8, 16)
+ROWS = (1, 2, 4, 8, 16, 32)
 NUM_WEIGHTS = 120
 
 

@@ -220,3 +220,50 @@ def test_kernels_run_on_every_torch_thread():
         assert kernels.parallel_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+@needs
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied", "qwen3"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights):
+    """DecoderLayer.fused (gemv.cpp decoder_layer) runs the modules' ops in their order."""
+    from eagle3.models.layers import tree_block_mask
+    from eagle3.models.packed import pack_for_inference
+    from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
+    if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
+        pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
+    model = native_from_hf(hf_model_from_dict(FAMILIES[family]), tmp_path)
+    model = pack_for_inference(model, torch.bfloat16 if weights == "bf16" else torch.float32,
+                               row_stable=weights == "bf16")
+    if family == "qwen3":  # q/k norms: the kernel does not cover them, the modules serve
+        assert all(layer.fused is None for layer in model.layers)
+        return
+    assert all(layer.fused is not None and layer.fused_rows >= 8 for layer in model.layers)
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 11), generator=g)
+    block = torch.randint(0, model.config.vocab_size, (1, 5), generator=g)
+    tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
+                         [1, 0, 1, 0, 1]], dtype=torch.bool)
+    calls = []
+
+    def run():
+        cache = model.new_cache(64)
+        first = model(prompt, torch.arange(11), cache, capture_ids=[1, 2])
+        one = model(block[:, :1], torch.tensor([11]), cache, capture_ids=[1, 2])
+        cache.truncate(11)
+        verify = model(block, torch.tensor([11, 12, 12, 13, 13]), cache,
+                       attn_mask=tree_block_mask(11, tree), capture_ids=[1, 2])
+        k, v = cache.layer(1)
+        return [first.logits, first.aux, one.logits, one.aux, verify.logits, verify.aux,
+                k[:, :, :16], v[:, :, :16]]
+
+    for layer in model.layers:
+        kernel = layer.fused
+        layer.fused = lambda *a, kernel=kernel: calls.append(1) or kernel(*a)
+    fused = run()
+    assert calls                          # the one-call path really ran
+    for layer in model.layers:
+        layer.fused = None
+    modules = run()
+    for x, y in zip(fused, modules):
+        assert torch.equal(x, y)

@@ -120,6 +120,12 @@ def rope_qkv() -> Optional[Callable]:
     return None if st.module is None else st.module.rope_qkv
 
 
+def decoder_layer() -> Optional[Callable]:
+    """The one-call Llama decoder layer (gemv.cpp decoder_layer), or None here."""
+    st = state()
+    return None if st.module is None else st.module.decoder_layer
+
+
 def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[O, I] -> the kernel layout: bf16 [O/32, I/2, 32, 2] (I even), fp32 [O/32, I, 32]; O padded
     to a multiple of 32 with zero rows (their outputs are never stored)."""

@@ -421,6 +421,48 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   return q;
 }
 
+namespace {
+
+torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& packed,
+                         const c10::optional<torch::Tensor>& bias, int64_t out_features, bool bf16) {
+  const int64_t rows = x.numel() / x.size(-1);
+  auto flat = x.reshape({rows, x.size(-1)}).to(bf16 ? torch::kBFloat16 : torch::kFloat32).contiguous();
+  return bf16 ? linear_bf16(flat, packed, bias, out_features) : linear_fp32(flat, packed, bias, out_features);
+}
+
+}  // namespace
+
+// One Llama decoder layer on the kernels, the same ops in the same order as the Python modules
+// (RMSNorm.fused, PackedLinear's small-M path, Attention with fused_rope and fused attention, MLP),
+// so the result is bit for bit theirs; it saves the ~20 Python-level calls of a layer.
+// h [B, T, H] fp32 contiguous -> the layer's output [B, T, H]. w: norm1, qkv, o, norm2, gate_up,
+// down (packed), with optional qkv and o biases.
+torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor qkv_w,
+                            c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
+                            c10::optional<torch::Tensor> o_b, torch::Tensor norm2, torch::Tensor gu_w,
+                            torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin,
+                            torch::Tensor k_buf, torch::Tensor v_buf, int64_t start,
+                            c10::optional<torch::Tensor> mask, double eps, int64_t Hq, int64_t Hkv,
+                            int64_t intermediate, bool bf16) {
+  TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == torch::kFloat32, "h must be contiguous fp32 [B, T, H]");
+  const int64_t B = h.size(0), T = h.size(1), H = h.size(2), D = k_buf.size(3);
+  const int64_t end = start + T;
+  auto x = rms_norm(h, norm1, eps);
+  auto qkv = linear_any(x, qkv_w, qkv_b, (Hq + 2 * Hkv) * D, bf16);
+  auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
+  c10::optional<torch::Tensor> m;
+  if (mask) m = mask->contiguous();
+  auto a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
+  auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), o_w, o_b, H, bf16);
+  h = h + o.view({B, T, H});
+  x = rms_norm(h, norm2, eps);
+  auto gu = linear_any(x, gu_w, c10::nullopt, 2 * intermediate, bf16).view({B, T, 2 * intermediate});
+  auto parts = gu.chunk(2, -1);
+  auto act = at::silu(parts[0]) * parts[1];
+  auto d = linear_any(act, down_w, c10::nullopt, H, bf16);
+  return h + d.view({B, T, H});
+}
+
 // how many threads an at::parallel_for region here really gets (1 if the build lost OpenMP)
 int64_t parallel_threads() {
   std::vector<int> seen(std::max(1, at::get_num_threads()), 0);
@@ -438,6 +480,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
   m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32");
+  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer on the kernels (bits of the Python path)");
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");
   m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32");
 }

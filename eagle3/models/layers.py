@@ -113,10 +113,11 @@ class Attention(nn.Module):
 
     `row_stable` (set by models.packed for low-precision weights) swaps SDPA for
     row_stable_attention, or for `fused` (eagle3.kernels' fp32 row-stable attention) where the
-    CPU has it. `fused_rope` does split, rotary and the cache write of a fused qkv in one call."""
+    CPU has it; a plain target uses `fused` for small blocks (decode, verify) and SDPA for prefill. `fused_rope` does split, rotary and the cache write of a fused qkv in one call."""
 
     row_stable = False
     fused = None
+    fused_rows = 0      # without row_stable, `fused` serves blocks up to this many queries (SDPA above)
     fused_rope = None   # eagle3.kernels.rope_qkv (set by models.packed on CPUs that have it)
 
     def __init__(self, hidden_in: int, hidden_out: int, num_heads: int, num_kv_heads: int,
@@ -164,7 +165,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, end: int,
                mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(q k^T) v over the cache prefix [:end]: q [B, H, T, D] -> [B, H, T, D]."""
-        if self.fused is not None:
+        if self.fused is not None and (self.row_stable or q.shape[2] <= self.fused_rows):
             return self.fused(q.contiguous(), k_buf[:, :, :end], v_buf[:, :, :end],
                               None if mask is None else mask.contiguous())
         if self.row_stable:

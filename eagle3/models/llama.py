@@ -33,7 +33,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
+    fused = None        # models.packed.fused_layer: the whole layer in one kernel call
+    fused_rows = 0      # ... for blocks of up to this many rows
+
     def forward(self, h, cos, sin, k_buf, v_buf, start, mask):
+        if self.fused is not None and h.shape[0] * h.shape[1] <= self.fused_rows and (
+                h.dtype == k_buf.dtype == torch.float32):
+            return self.fused(h.contiguous(), cos, sin, k_buf, v_buf, start, mask)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_buf, v_buf, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 

@@ -11,8 +11,8 @@ one-row calls on one thread. On other devices (CUDA) it is a plain linear. Fusin
 halves the GEMM count.
 
 Small blocks (decode, tree verify, the draft's levels) go to eagle3.kernels where the CPU has
-AVX-512: ~1.5x oneDNN's speed for 1-2 rows, on par at 8 (scripts/bench_kernels.py), and every
-row's result independent of the call's other rows. A plain target sends blocks of up to
+AVX-512: ~1.6-2x oneDNN's speed for 1-8 rows, ~1.1-1.3x at 16-32 (scripts/bench_kernels.py, 2
+threads), and every row's result independent of the call's other rows. A plain target sends blocks of up to
 SMALL_ROWS rows there (above, oneDNN is faster); a row-stable one sends every block of up to
 STABLE_ROWS rows (any verify tree: num_draft_tokens is bounded by it), so verify == decode bit
 for bit in its linear layers, and only long prefills take oneDNN.
@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 PACK_ROWS_HINT = 8
-SMALL_ROWS = 8           # plain: the kernel for blocks up to this many rows
+SMALL_ROWS = 32          # plain: the kernel for blocks up to this many rows (faster than oneDNN
+                         # at 1-32 rows on 2 threads, scripts/bench_kernels.py)
 STABLE_ROWS = 256        # row-stable: the kernel for every block up to this many rows
 
 
@@ -115,7 +116,8 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
             module.fused = fused[0]
         if isinstance(module, Attention):
             module.row_stable = row_stable
-            module.fused = fused[1] if row_stable and fused is not None else None
+            module.fused = fused[1] if fused is not None else None
+            module.fused_rows = small_rows
             module.fused_rope = kernels.rope_qkv() if cpu else None
         if isinstance(module, Attention) and isinstance(module.q_proj, nn.Linear):
             module.qkv = _cat_linear(module.q_proj, module.k_proj, module.v_proj,
@@ -131,4 +133,32 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, PackedLinear(child.weight, child.bias, weight_dtype, small_rows))
+    from .llama import DecoderLayer
+    for module in model.modules():
+        if isinstance(module, DecoderLayer):
+            fuse_layer(module, kernels.decoder_layer() if cpu else None)
     return model
+
+
+def fuse_layer(layer: nn.Module, kernel) -> None:
+    """Give a target decoder layer `fused`: the kernels' one-call layer, bit for bit the modules'
+    path (tests/test_kernels.py), for blocks every linear sends to the small-M kernel. Layers the
+    kernel does not cover (q/k norms, no kernels) keep the modules."""
+    attn, mlp = layer.self_attn, layer.mlp
+    linears = [getattr(attn, "qkv", None), attn.o_proj, getattr(mlp, "gate_up", None), mlp.down_proj]
+    if (kernel is None or attn.q_norm is not None or attn.fused is None or attn.fused_rope is None
+            or not all(isinstance(l, PackedLinear) and l.small is not None for l in linears)
+            or len({l.weight_dtype for l in linears}) != 1 or layer.input_layernorm.fused is None):
+        return
+    qkv, o, gate_up, down = linears
+    bf16 = qkv.weight_dtype == torch.bfloat16
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+
+    def fused(h, cos, sin, k_buf, v_buf, start, mask):
+        return kernel(h, norm1.weight, qkv.small_weight, qkv.bias, o.small_weight, o.bias,
+                      norm2.weight, gate_up.small_weight, down.small_weight, cos, sin, k_buf, v_buf,
+                      start, mask, norm1.eps, attn.num_heads, attn.num_kv_heads,
+                      down.in_features, bf16)
+
+    layer.fused = fused
+    layer.fused_rows = min(l.small_rows for l in linears)
