@@ -267,3 +267,40 @@ def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights
     modules = run()
     for x, y in zip(fused, modules):
         assert torch.equal(x, y)
+
+
+@needs
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_one_call_midlayer_equals_the_modules_bit_for_bit(weights):
+    """An EAGLE-3 draft's midlayer on the one-call kernel: features, tree levels and extends."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from spec_helpers import AUX_IDS, tiny_draft, tiny_target
+    from eagle3.models.packed import pack_for_inference
+    if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
+        pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
+    target = tiny_target()
+    draft = pack_for_inference(tiny_draft(target, draft_vocab=20),
+                               torch.bfloat16 if weights == "bf16" else torch.float32)
+    assert draft.midlayer.fused is not None
+    g = torch.Generator().manual_seed(3)
+    feats = torch.randn(1, 7, len(AUX_IDS) * target.config.hidden_size, generator=g)
+    ids = torch.randint(0, target.config.vocab_size, (1, 7), generator=g)
+    calls = []
+
+    def run():
+        cache = draft.new_cache(32)
+        first = draft(ids, torch.arange(7), cache, features=feats)
+        hidden = first.hidden[:, -1:].expand(1, 3, -1)
+        mask = torch.cat([torch.ones(3, 7, dtype=torch.bool), torch.eye(3, dtype=torch.bool)], 1)
+        level = draft(ids[:, :3], torch.full((3,), 7), cache, hidden=hidden, attn_mask=mask[None, None])
+        return [first.logits, first.hidden, level.logits, level.hidden]
+
+    kernel = draft.midlayer.fused
+    draft.midlayer.fused = lambda *a: calls.append(1) or kernel(*a)
+    fused = run()
+    assert calls
+    draft.midlayer.fused = None
+    for x, y in zip(fused, run()):
+        assert torch.equal(x, y)

@@ -436,8 +436,9 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& packed,
 // (RMSNorm.fused, PackedLinear's small-M path, Attention with fused_rope and fused attention, MLP),
 // so the result is bit for bit theirs; it saves the ~20 Python-level calls of a layer.
 // h [B, T, H] fp32 contiguous -> the layer's output [B, T, H]. w: norm1, qkv, o, norm2, gate_up,
-// down (packed), with optional qkv and o biases.
-torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor qkv_w,
+// down (packed), with optional qkv and o biases. x_in: the attention's input when it is not
+// norm1(h) (an EAGLE-3 midlayer reads cat(norm(embedding), norm(hidden)) and adds to hidden).
+torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, torch::Tensor norm1, torch::Tensor qkv_w,
                             c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
                             c10::optional<torch::Tensor> o_b, torch::Tensor norm2, torch::Tensor gu_w,
                             torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin,
@@ -447,7 +448,7 @@ torch::Tensor decoder_layer(torch::Tensor h, torch::Tensor norm1, torch::Tensor 
   TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == torch::kFloat32, "h must be contiguous fp32 [B, T, H]");
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2), D = k_buf.size(3);
   const int64_t end = start + T;
-  auto x = rms_norm(h, norm1, eps);
+  auto x = x_in ? *x_in : rms_norm(h, norm1, eps);
   auto qkv = linear_any(x, qkv_w, qkv_b, (Hq + 2 * Hkv) * D, bf16);
   auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
   c10::optional<torch::Tensor> m;

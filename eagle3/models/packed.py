@@ -133,17 +133,18 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, PackedLinear(child.weight, child.bias, weight_dtype, small_rows))
+    from ..spec.draft import Eagle3Layer
     from .llama import DecoderLayer
     for module in model.modules():
-        if isinstance(module, DecoderLayer):
+        if isinstance(module, (DecoderLayer, Eagle3Layer)):
             fuse_layer(module, kernels.decoder_layer() if cpu else None)
     return model
 
 
 def fuse_layer(layer: nn.Module, kernel) -> None:
-    """Give a target decoder layer `fused`: the kernels' one-call layer, bit for bit the modules'
-    path (tests/test_kernels.py), for blocks every linear sends to the small-M kernel. Layers the
-    kernel does not cover (q/k norms, no kernels) keep the modules."""
+    """Give a decoder layer (target, or an EAGLE-3 midlayer) `fused`: the kernels' one-call layer,
+    bit for bit the modules' path (tests/test_kernels.py), for blocks every linear sends to the
+    small-M kernel. Layers the kernel does not cover (q/k norms, no kernels) keep the modules."""
     attn, mlp = layer.self_attn, layer.mlp
     linears = [getattr(attn, "qkv", None), attn.o_proj, getattr(mlp, "gate_up", None), mlp.down_proj]
     if (kernel is None or attn.q_norm is not None or attn.fused is None or attn.fused_rope is None
@@ -154,8 +155,8 @@ def fuse_layer(layer: nn.Module, kernel) -> None:
     bf16 = qkv.weight_dtype == torch.bfloat16
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
 
-    def fused(h, cos, sin, k_buf, v_buf, start, mask):
-        return kernel(h, norm1.weight, qkv.small_weight, qkv.bias, o.small_weight, o.bias,
+    def fused(h, x_in, cos, sin, k_buf, v_buf, start, mask):
+        return kernel(h, x_in, norm1.weight, qkv.small_weight, qkv.bias, o.small_weight, o.bias,
                       norm2.weight, gate_up.small_weight, down.small_weight, cos, sin, k_buf, v_buf,
                       start, mask, norm1.eps, attn.num_heads, attn.num_kv_heads,
                       down.in_features, bf16)

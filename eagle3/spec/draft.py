@@ -92,8 +92,15 @@ class Eagle3Layer(nn.Module):
     def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
 
+    fused = None        # models.packed.fuse_layer: the layer in one kernel call (frozen CPU drafts)
+    fused_rows = 0
+
     def forward(self, emb, hidden, cos, sin, k_buf, v_buf, start, mask):
-        h = hidden + self.self_attn(self.attn_input(emb, hidden), cos, sin, k_buf, v_buf, start, mask)
+        x = self.attn_input(emb, hidden)
+        if self.fused is not None and hidden.shape[0] * hidden.shape[1] <= self.fused_rows and (
+                x.dtype == k_buf.dtype == torch.float32):
+            return self.fused(hidden.contiguous(), x, cos, sin, k_buf, v_buf, start, mask)
+        h = hidden + self.self_attn(x, cos, sin, k_buf, v_buf, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
