@@ -111,9 +111,27 @@ def test_chi_square_detects_a_lossy_rule():
 
 
 def test_sample_rows_follows_the_weights_and_skips_zeros():
-    from eagle3.spec.verify import sample_rows
+    from eagle3.generate.sampling import sample_rows
     weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 6.0, 0.0], [5.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
     draws = sample_rows(weights.repeat(3000, 1), torch.Generator().manual_seed(0)).view(3000, 2)
     for row in range(2):
         counts = torch.bincount(draws[:, row], minlength=6)
         assert chi_square_p(counts, weights[row]) > 0.01      # zero-weight ids: asserted unseen
+
+
+def test_sample_rows_maps_a_draw_at_the_total_to_the_last_nonzero_weight(monkeypatch):
+    from eagle3.generate import sampling
+    weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.ones(2, 1, dtype=torch.float64))
+    assert sampling.sample_rows(weights, torch.Generator()).tolist() == [3, 0]
+
+
+def test_plain_sampling_follows_the_processed_distribution():
+    from eagle3.generate.sampling import SamplingParams, sample_next, target_probs
+    logits = torch.randn(40, generator=torch.Generator().manual_seed(4)) * 2
+    params = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)
+    gen = torch.Generator().manual_seed(5)
+    draws = sample_next(logits.repeat(4000, 1), params, gen)
+    probs = target_probs(logits, params)
+    counts = torch.bincount(draws, minlength=40)
+    assert counts[probs == 0].sum() == 0 and chi_square_p(counts, probs) > 0.01

@@ -77,5 +77,16 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     if params.greedy:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, params)
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=gen).view(probs.shape[:-1])
+    return sample_rows(probs.reshape(-1, probs.shape[-1]), gen).view(probs.shape[:-1])
+
+
+def sample_rows(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """One draw per row of non-negative weights [T, V] -> [T], by inverse CDF in fp64 (torch's
+    multinomial takes ~1.8 ms per 49k-wide row on a CPU core here; this ~0.15 ms). Zero weights
+    are never drawn: a u * total that rounds up to the total maps to the last nonzero weight."""
+    cdf = weights.double().cumsum(dim=-1)                             # [T, V]
+    total = cdf[:, -1:]
+    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype)
+    idx = torch.searchsorted(cdf, u * total, right=True)              # first cdf > u * total
+    last = torch.searchsorted(cdf, total, right=False)                # first cdf == total
+    return torch.minimum(idx, last).squeeze(1)
