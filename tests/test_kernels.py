@@ -185,20 +185,20 @@ def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weig
     attns = [layer.self_attn for layer in model.layers]
     assert all(a.fused_rope is not None for a in attns)
     g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 13), generator=g)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 40), generator=g)   # > SMALL_ROWS: SDPA
     block = torch.randint(0, model.config.vocab_size, (1, 6), generator=g)
     tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
 
     def run():
         cache = model.new_cache(64)
-        first = model(prompt, torch.arange(13), cache, capture_ids=[0, 1])
-        one = model(block[:, :1], torch.tensor([13]), cache)
-        cache.truncate(13)
-        verify = model(block, torch.tensor([13, 14, 14, 15, 15, 16]), cache,
-                       attn_mask=tree_block_mask(13, tree))
+        first = model(prompt, torch.arange(40), cache, capture_ids=[0, 1])
+        one = model(block[:, :1], torch.tensor([40]), cache)
+        cache.truncate(40)
+        verify = model(block, torch.tensor([40, 41, 41, 42, 42, 43]), cache,
+                       attn_mask=tree_block_mask(40, tree))
         k, v = cache.layer(1)
-        return [first.logits, first.aux, one.logits, verify.logits, k[:, :, :19], v[:, :, :19]]
+        return [first.logits, first.aux, one.logits, verify.logits, k[:, :, :46], v[:, :, :46]]
 
     fused = run()
     for a in attns:
@@ -304,3 +304,44 @@ def test_one_call_midlayer_equals_the_modules_bit_for_bit(weights):
     draft.midlayer.fused = None
     for x, y in zip(fused, run()):
         assert torch.equal(x, y)
+
+
+@needs
+def test_kernels_handle_a_batch_of_two_like_two_single_calls():
+    """B > 1: rows of the attention, rope_qkv and the one-call layer follow their batch entry."""
+    from eagle3.models.packed import pack_for_inference
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from spec_helpers import tiny_target
+    model = pack_for_inference(tiny_target(layers=2), torch.float32)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=g)
+    pos = torch.arange(9)
+    both = model(ids, pos, model.new_cache(16, batch=2))
+    for b in range(2):
+        alone = model(ids[b:b + 1], pos, model.new_cache(16))
+        assert torch.equal(both.logits[b], alone.logits[0])
+    assert all(layer.fused is not None for layer in model.layers)
+
+
+@needs
+def test_fused_attention_gives_zeros_for_a_row_that_may_attend_to_nothing():
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 4, 3, 16, generator=g), torch.randn(1, 2, 5, 16, generator=g),
+               torch.randn(1, 2, 5, 16, generator=g))
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[0, 0, 1] = False                                      # a padding row
+    out = attn(q, k, v, mask)
+    assert torch.equal(out[:, :, 1], torch.zeros(1, 4, 16)) and torch.isfinite(out).all()
+
+
+@needs
+def test_kernels_name_a_wrong_device_or_dtype():
+    _, attn = kernels.fused_ops()
+    q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 16)
+    with pytest.raises(RuntimeError, match="k must be Float, got Double"):
+        attn(q, k.double(), k, None)
+    with pytest.raises(RuntimeError, match="not a multiple of kv heads 0"):
+        attn(q, k[:, :0], k[:, :0], None)

@@ -135,3 +135,10 @@ def test_plain_sampling_follows_the_processed_distribution():
     probs = target_probs(logits, params)
     counts = torch.bincount(draws, minlength=40)
     assert counts[probs == 0].sum() == 0 and chi_square_p(counts, probs) > 0.01
+
+
+def test_sampling_names_weights_without_mass():
+    from eagle3.generate.sampling import sample_rows
+    for bad in (torch.zeros(1, 5), torch.tensor([[1.0, float("nan"), 0.0]])):
+        with pytest.raises(RuntimeError, match="no finite positive mass"):
+            sample_rows(bad, torch.Generator().manual_seed(0))

@@ -85,7 +85,11 @@ def sample_rows(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     multinomial takes ~1.8 ms per 49k-wide row on a CPU core here; this ~0.15 ms). Zero weights
     are never drawn: a u * total that rounds up to the total maps to the last nonzero weight."""
     cdf = weights.double().cumsum(dim=-1)                             # [T, V]
-    total = cdf[:, -1:]
+    total = cdf[:, -1:].contiguous()
+    if cdf.device.type == "cpu" and not bool((torch.isfinite(total) & (total > 0)).all()):
+        # (checked on the CPU only: on CUDA it would be a host sync per draw)
+        raise RuntimeError("sampling weights have no finite positive mass in some row (NaN or inf "
+                           "logits, or every token filtered out)")
     u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype)
     idx = torch.searchsorted(cdf, u * total, right=True)              # first cdf > u * total
     last = torch.searchsorted(cdf, total, right=False)                # first cdf == total

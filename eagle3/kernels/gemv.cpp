@@ -93,8 +93,17 @@ void run(const T* x, int64_t ldx, const T* w, int64_t depth, const float* bias, 
   });
 }
 
+// a CPU tensor of dtype dt, or an error naming the argument and what it got
+void expect(const torch::Tensor& t, const char* name, c10::ScalarType dt) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU (eagle3 kernels), got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dt, name, " must be ", c10::toString(dt), ", got ", t.scalar_type());
+}
+
 void check(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias,
            int64_t out_features, c10::ScalarType dt) {
+  expect(x, "x", dt);
+  expect(packed, "packed weight", dt);
+  if (bias) expect(*bias, "bias", torch::kFloat32);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == dt, "x must be a contiguous [M, I] tensor of the kernel's dtype");
   TORCH_CHECK(packed.is_contiguous() && packed.scalar_type() == dt, "packed weight of the kernel's dtype expected");
   TORCH_CHECK(packed.size(0) * kBlock >= out_features, "out_features ", out_features, " exceeds the packed blocks");
@@ -209,7 +218,8 @@ inline __m512 exp_neg(__m512 x) {
 
 // x [N, H] fp32 contiguous, w [H] fp32 -> [N, H]
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && w.scalar_type() == torch::kFloat32, "fp32 expected");
+  expect(x, "x", torch::kFloat32);
+  expect(w, "weight", torch::kFloat32);
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1), "contiguous x [.., H], w [H]");
   const int64_t H = x.size(-1), N = x.numel() / H;
   auto y = torch::empty_like(x);
@@ -267,12 +277,15 @@ void weighted_sums_rows(const float* const* p, const float* v, int64_t ldv, int6
 // every k and v row, and their independent dot products and sums keep the core busy. Each row's
 // arithmetic is the same whatever else is in the item.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
-              v.scalar_type() == torch::kFloat32, "fp32 q, k, v expected");
+  expect(q, "q", torch::kFloat32);
+  expect(k, "k", torch::kFloat32);
+  expect(v, "v", torch::kFloat32);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, heads, rows, D]");
   TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1, "q contiguous, k/v unit stride on D");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2), group = Hq / Hkv;
-  TORCH_CHECK(Hq % Hkv == 0, "query heads ", Hq, " not a multiple of kv heads ", Hkv);
+  const int64_t Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads ", Hq, " not a multiple of kv heads ", Hkv);
+  const int64_t group = Hq / Hkv;
   TORCH_CHECK(k.size(0) == B && v.size(0) == B, "batch: q ", B, ", k ", k.size(0), ", v ", v.size(0));
   TORCH_CHECK(v.size(1) == Hkv && v.size(2) == S, "v [", v.size(1), ", ", v.size(2), "] != k heads/keys [", Hkv, ", ", S, "]");
   TORCH_CHECK(k.size(3) == D && v.size(3) == D, "head_dim: q ", D, ", k ", k.size(3), ", v ", v.size(3));
@@ -337,7 +350,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       // node whose ancestors sit between masked siblings gets the bits of its path decoded alone
       for (int64_t s = 0; s < S; ++s)
         for (int64_t i = 0; i < group; ++i) sum[i] += sc[i * ld + s];
-      for (int64_t i = 0; i < group; ++i) inv[i] = 1.0f / sum[i];
+      // a row that may attend to nothing (padding) gets zeros, as SDPA gives, not 0 * inf = NaN
+      for (int64_t i = 0; i < group; ++i) inv[i] = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
       if (D == 64) {
         weighted_sums_rows<4>(prow.data(), vb, v.stride(2), S, inv.data(), orow.data(), group);
       } else if (D == 128) {
@@ -365,9 +379,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
 // for bit and a row never depends on the others.
 torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf,
                        torch::Tensor v_buf, int64_t start, int64_t Hq, int64_t Hkv) {
-  TORCH_CHECK(qkv.scalar_type() == torch::kFloat32 && cos.scalar_type() == torch::kFloat32 &&
-              sin.scalar_type() == torch::kFloat32 && k_buf.scalar_type() == torch::kFloat32 &&
-              v_buf.scalar_type() == torch::kFloat32, "fp32 qkv, cos, sin and kv buffers expected");
+  expect(qkv, "qkv", torch::kFloat32);
+  expect(cos, "cos", torch::kFloat32);
+  expect(sin, "sin", torch::kFloat32);
+  expect(k_buf, "k_buf", torch::kFloat32);
+  expect(v_buf, "v_buf", torch::kFloat32);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "qkv [B*T, W], cos/sin [B, 1, T, D] contiguous");
   TORCH_CHECK(cos.dim() == 4 && cos.size(1) == 1 && cos.sizes() == sin.sizes(), "cos/sin must be [B, 1, T, D]");
@@ -443,12 +459,21 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
                             c10::optional<torch::Tensor> o_b, torch::Tensor norm2, torch::Tensor gu_w,
                             torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin,
                             torch::Tensor k_buf, torch::Tensor v_buf, int64_t start,
-                            c10::optional<torch::Tensor> mask, double eps, int64_t Hq, int64_t Hkv,
-                            int64_t intermediate, bool bf16) {
-  TORCH_CHECK(h.dim() == 3 && h.is_contiguous() && h.scalar_type() == torch::kFloat32, "h must be contiguous fp32 [B, T, H]");
+                            c10::optional<torch::Tensor> mask, double eps1, double eps2, int64_t Hq,
+                            int64_t Hkv, int64_t intermediate, bool bf16) {
+  expect(h, "h", torch::kFloat32);
+  TORCH_CHECK(h.dim() == 3 && h.is_contiguous(), "h must be contiguous [B, T, H], got ", h.sizes());
+  TORCH_CHECK(k_buf.dim() == 4, "k_buf must be [B, Hkv, S, D], got ", k_buf.sizes());
   const int64_t B = h.size(0), T = h.size(1), H = h.size(2), D = k_buf.size(3);
+  if (x_in) {
+    expect(*x_in, "x_in", torch::kFloat32);
+    TORCH_CHECK(x_in->dim() == 3 && x_in->size(0) == B && x_in->size(1) == T,
+                "x_in ", x_in->sizes(), " must be [B, T, *] with h's B, T = ", B, ", ", T);
+  }
+  TORCH_CHECK(cos.dim() == 4 && cos.size(0) == B && cos.size(2) == T,
+              "cos ", cos.sizes(), " must be [B, 1, T, D] with h's B, T = ", B, ", ", T);
   const int64_t end = start + T;
-  auto x = x_in ? *x_in : rms_norm(h, norm1, eps);
+  auto x = x_in ? *x_in : rms_norm(h, norm1, eps1);
   auto qkv = linear_any(x, qkv_w, qkv_b, (Hq + 2 * Hkv) * D, bf16);
   auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
   c10::optional<torch::Tensor> m;
@@ -456,7 +481,7 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
   auto a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
   auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), o_w, o_b, H, bf16);
   h = h + o.view({B, T, H});
-  x = rms_norm(h, norm2, eps);
+  x = rms_norm(h, norm2, eps2);
   auto gu = linear_any(x, gu_w, c10::nullopt, 2 * intermediate, bf16).view({B, T, 2 * intermediate});
   auto parts = gu.chunk(2, -1);
   auto act = at::silu(parts[0]) * parts[1];
@@ -464,12 +489,14 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
   return h + d.view({B, T, H});
 }
 
-// how many threads an at::parallel_for region here really gets (1 if the build lost OpenMP)
+// how many distinct threads an at::parallel_for region here really gets (1 if the build lost
+// OpenMP; more than torch.get_num_threads() if it linked a second OpenMP runtime)
 int64_t parallel_threads() {
-  std::vector<int> seen(std::max(1, at::get_num_threads()), 0);
-  at::parallel_for(0, (int64_t)seen.size() * 64, 1, [&](int64_t, int64_t) {
+  constexpr int kMaxIds = 1024;
+  std::vector<int> seen(kMaxIds, 0);
+  at::parallel_for(0, (int64_t)std::max(1, at::get_num_threads()) * 64, 1, [&](int64_t, int64_t) {
     const int t = at::get_thread_num();
-    if (t >= 0 && t < (int)seen.size()) seen[t] = 1;
+    seen[std::min(std::max(t, 0), kMaxIds - 1)] = 1;
   });
   int64_t n = 0;
   for (int v : seen) n += v;

@@ -145,7 +145,7 @@ class Attention(nn.Module):
         bsz, seq, _ = x.shape
         end = start + seq
         if (self.fused_rope is not None and hasattr(self, "qkv") and self.q_norm is None
-                and x.dtype == k_buf.dtype == torch.float32):
+                and x.dtype == k_buf.dtype == torch.float32 and x.device.type == "cpu"):
             # one kernel for split, rotary, cache write and the q layout, same bits as below
             q = self.fused_rope(self.qkv(x).view(bsz * seq, -1), cos, sin, k_buf, v_buf, start,
                                 self.num_heads, self.num_kv_heads)
@@ -165,7 +165,9 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, end: int,
                mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(q k^T) v over the cache prefix [:end]: q [B, H, T, D] -> [B, H, T, D]."""
-        if self.fused is not None and (self.row_stable or q.shape[2] <= self.fused_rows):
+        if self.fused is not None and (self.row_stable or (
+                q.shape[2] <= self.fused_rows and q.dtype == k_buf.dtype == torch.float32
+                and q.device.type == "cpu" and (mask is None or mask.dtype == torch.bool))):
             return self.fused(q.contiguous(), k_buf[:, :, :end], v_buf[:, :, :end],
                               None if mask is None else mask.contiguous())
         if self.row_stable:

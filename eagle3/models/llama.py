@@ -38,7 +38,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, k_buf, v_buf, start, mask):
         if self.fused is not None and h.shape[0] * h.shape[1] <= self.fused_rows and (
-                h.dtype == k_buf.dtype == torch.float32):
+                h.dtype == k_buf.dtype == torch.float32 and h.device.type == "cpu"):
             return self.fused(h.contiguous(), None, cos, sin, k_buf, v_buf, start, mask)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_buf, v_buf, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -149,7 +149,8 @@ def fuse_layer(layer: nn.Module, kernel) -> None:
     linears = [getattr(attn, "qkv", None), attn.o_proj, getattr(mlp, "gate_up", None), mlp.down_proj]
     if (kernel is None or attn.q_norm is not None or attn.fused is None or attn.fused_rope is None
             or not all(isinstance(l, PackedLinear) and l.small is not None for l in linears)
-            or len({l.weight_dtype for l in linears}) != 1 or layer.input_layernorm.fused is None):
+            or len({l.weight_dtype for l in linears}) != 1 or layer.input_layernorm.fused is None
+            or mlp.gate_up.bias is not None or mlp.down_proj.bias is not None):
         return
     qkv, o, gate_up, down = linears
     bf16 = qkv.weight_dtype == torch.bfloat16
@@ -158,7 +159,7 @@ def fuse_layer(layer: nn.Module, kernel) -> None:
     def fused(h, x_in, cos, sin, k_buf, v_buf, start, mask):
         return kernel(h, x_in, norm1.weight, qkv.small_weight, qkv.bias, o.small_weight, o.bias,
                       norm2.weight, gate_up.small_weight, down.small_weight, cos, sin, k_buf, v_buf,
-                      start, mask, norm1.eps, attn.num_heads, attn.num_kv_heads,
+                      start, mask, norm1.eps, norm2.eps, attn.num_heads, attn.num_kv_heads,
                       down.in_features, bf16)
 
     layer.fused = fused

@@ -98,7 +98,7 @@ class Eagle3Layer(nn.Module):
     def forward(self, emb, hidden, cos, sin, k_buf, v_buf, start, mask):
         x = self.attn_input(emb, hidden)
         if self.fused is not None and hidden.shape[0] * hidden.shape[1] <= self.fused_rows and (
-                x.dtype == k_buf.dtype == torch.float32):
+                x.dtype == k_buf.dtype == torch.float32 and x.device.type == "cpu"):
             return self.fused(hidden.contiguous(), x, cos, sin, k_buf, v_buf, start, mask)
         h = hidden + self.self_attn(x, cos, sin, k_buf, v_buf, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))

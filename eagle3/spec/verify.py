@@ -14,7 +14,8 @@ rejecting c_1..c_{j-1}). On acceptance move to c_j; if every child is rejected (
 the bonus token is sampled from p_u with all children of u removed, renormalised. Each emitted
 token is thereby distributed exactly as p_u: the output distribution is the target's.
 
-Both functions do their tensor work on the logits' device and copy to the host once.
+Both functions do their tensor work on the logits' device and copy to the host once (on the CPU
+the sampled bonus token is drawn after the walk, from the one row it needs).
 """
 from __future__ import annotations
 
@@ -62,19 +63,23 @@ def verify_sampled(logits: torch.Tensor, tree: Tree, params: SamplingParams,
                    gen: torch.Generator) -> Acceptance:
     """logits [T, V] -> lossless multi-draft acceptance under `target_probs(., params)`."""
     probs = target_probs(logits, params)                              # [T, V]
-    child_p, resid_mass, bonus = _child_tables(probs, tree, gen)
+    child_p, resid_mass, resid = _child_tables(probs, tree)
     uniform = torch.rand(tree.size, generator=gen, device=probs.device)
+    lazy = probs.device.type == "cpu"     # the bonus row is drawn after the walk, for its end only
+    bonus = torch.zeros_like(tree.tokens) if lazy else sample_rows(resid, gen)
     table = torch.stack([child_p.double(), resid_mass.double(), uniform.double(),
                          bonus.double(), tree.parents.double(), tree.tokens.double()])
     child_p, resid_mass, uniform, bonus, parents, tokens = table.tolist()   # the one host copy
     nodes = _walk([int(p) for p in parents], child_p, resid_mass, uniform)
-    emitted = [int(tokens[t]) for t in nodes[1:]] + [int(bonus[nodes[-1]])]
+    end = nodes[-1]
+    last = int(sample_rows(resid[end:end + 1], gen)) if lazy else int(bonus[end])
+    emitted = [int(tokens[t]) for t in nodes[1:]] + [last]
     return Acceptance(nodes, emitted)
 
 
-def _child_tables(probs: torch.Tensor, tree: Tree, gen: torch.Generator):
-    """child_p[t] = p_parent(t)(token t); resid_mass[u] and a bonus sample per node u drawn from
-    p_u without u's children (every node whose children are all rejected ends the walk there)."""
+def _child_tables(probs: torch.Tensor, tree: Tree):
+    """child_p[t] = p_parent(t)(token t); resid[u] = p_u without u's children (where the walk
+    ends at u, the bonus token is drawn from it) and its mass resid_mass[u]."""
     par = tree.parents.clamp(min=0)
     child_p = probs[par, tree.tokens]                                 # [T]; [0] unused
     resid = probs.clone()
@@ -82,7 +87,7 @@ def _child_tables(probs: torch.Tensor, tree: Tree, gen: torch.Generator):
     resid_mass = resid.sum(dim=-1)                                    # [T]
     empty = resid_mass <= 0                                           # all mass on children: the
     resid = torch.where(empty[:, None], probs, resid)                 # walk never stops there
-    return child_p, resid_mass, sample_rows(resid, gen)
+    return child_p, resid_mass, resid
 
 
 def _walk(parents: list[int], child_p: list[float], resid_mass: list[float],
