@@ -169,36 +169,48 @@ def test_fused_attention_names_a_shape_mismatch():
         attn(q, k, torch.randn(1, 2, 9, 64), None)
 
 
-@needs
-@pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied"])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weights):
-    """rope_qkv (split + rotary + cache write in one call) rounds exactly as the torch ops do."""
-    from eagle3.models.layers import tree_block_mask
+def _packed_family(tmp_path, family, weights):
+    """A tiny model of `family`, packed as load_engine packs it (bf16: row-stable)."""
     from eagle3.models.packed import pack_for_inference
     from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
     if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
         pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
     model = native_from_hf(hf_model_from_dict(FAMILIES[family]), tmp_path)
-    model = pack_for_inference(model, torch.bfloat16 if weights == "bf16" else torch.float32,
-                               row_stable=weights == "bf16")
+    return pack_for_inference(model, torch.bfloat16 if weights == "bf16" else torch.float32,
+                              row_stable=weights == "bf16")
+
+
+def _prefill_decode_verify(model, prompt, block, tree, capture_ids, seed):
+    """Prefill `prompt`, decode block[0], then verify `block` as `tree` from the same prefix."""
+    from eagle3.models.layers import tree_block_mask
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=g)
+    new = torch.randint(0, model.config.vocab_size, (1, block), generator=g)
+    cache = model.new_cache(64)
+    out = {"first": model(ids, torch.arange(prompt), cache, capture_ids=capture_ids["first"]),
+           "one": model(new[:, :1], torch.tensor([prompt]), cache, capture_ids=capture_ids["one"])}
+    cache.truncate(prompt)
+    out["verify"] = model(new, prompt + tree.sum(dim=1) - 1, cache,
+                          attn_mask=tree_block_mask(prompt, tree), capture_ids=capture_ids["verify"])
+    out["k"], out["v"] = (t[:, :, :prompt + block] for t in cache.layer(1))
+    return out
+
+
+@needs
+@pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weights):
+    """rope_qkv (split + rotary + cache write in one call) rounds exactly as the torch ops do."""
+    model = _packed_family(tmp_path, family, weights)
     attns = [layer.self_attn for layer in model.layers]
     assert all(a.fused_rope is not None for a in attns)
-    g = torch.Generator().manual_seed(1)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 40), generator=g)   # > SMALL_ROWS: SDPA
-    block = torch.randint(0, model.config.vocab_size, (1, 6), generator=g)
     tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
+    capture = {"first": [0, 1], "one": (), "verify": ()}
 
-    def run():
-        cache = model.new_cache(64)
-        first = model(prompt, torch.arange(40), cache, capture_ids=[0, 1])
-        one = model(block[:, :1], torch.tensor([40]), cache)
-        cache.truncate(40)
-        verify = model(block, torch.tensor([40, 41, 41, 42, 42, 43]), cache,
-                       attn_mask=tree_block_mask(40, tree))
-        k, v = cache.layer(1)
-        return [first.logits, first.aux, one.logits, verify.logits, k[:, :, :46], v[:, :, :46]]
+    def run():   # a 40-token prompt: past SMALL_ROWS, so a plain target's prefill takes SDPA
+        o = _prefill_decode_verify(model, 40, 6, tree, capture, seed=1)
+        return [o["first"].logits, o["first"].aux, o["one"].logits, o["verify"].logits, o["k"], o["v"]]
 
     fused = run()
     for a in attns:
@@ -227,35 +239,20 @@ def test_kernels_run_on_every_torch_thread():
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
 def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights):
     """DecoderLayer.fused (gemv.cpp decoder_layer) runs the modules' ops in their order."""
-    from eagle3.models.layers import tree_block_mask
-    from eagle3.models.packed import pack_for_inference
-    from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
-    if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
-        pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
-    model = native_from_hf(hf_model_from_dict(FAMILIES[family]), tmp_path)
-    model = pack_for_inference(model, torch.bfloat16 if weights == "bf16" else torch.float32,
-                               row_stable=weights == "bf16")
+    model = _packed_family(tmp_path, family, weights)
     if family == "qwen3":  # q/k norms: the kernel does not cover them, the modules serve
         assert all(layer.fused is None for layer in model.layers)
         return
     assert all(layer.fused is not None and layer.fused_rows >= 8 for layer in model.layers)
-    g = torch.Generator().manual_seed(2)
-    prompt = torch.randint(0, model.config.vocab_size, (1, 11), generator=g)
-    block = torch.randint(0, model.config.vocab_size, (1, 5), generator=g)
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
                          [1, 0, 1, 0, 1]], dtype=torch.bool)
+    capture = {"first": [1, 2], "one": [1, 2], "verify": [1, 2]}
     calls = []
 
     def run():
-        cache = model.new_cache(64)
-        first = model(prompt, torch.arange(11), cache, capture_ids=[1, 2])
-        one = model(block[:, :1], torch.tensor([11]), cache, capture_ids=[1, 2])
-        cache.truncate(11)
-        verify = model(block, torch.tensor([11, 12, 12, 13, 13]), cache,
-                       attn_mask=tree_block_mask(11, tree), capture_ids=[1, 2])
-        k, v = cache.layer(1)
-        return [first.logits, first.aux, one.logits, one.aux, verify.logits, verify.aux,
-                k[:, :, :16], v[:, :, :16]]
+        o = _prefill_decode_verify(model, 11, 5, tree, capture, seed=2)
+        return [o["first"].logits, o["first"].aux, o["one"].logits, o["one"].aux,
+                o["verify"].logits, o["verify"].aux, o["k"], o["v"]]
 
     for layer in model.layers:
         kernel = layer.fused

@@ -149,7 +149,13 @@ class Attention(nn.Module):
             # one kernel for split, rotary, cache write and the q layout, same bits as below
             q = self.fused_rope(self.qkv(x).view(bsz * seq, -1), cos, sin, k_buf, v_buf, start,
                                 self.num_heads, self.num_kv_heads)
-            return self.o_proj(self.attend(q, k_buf, v_buf, end, mask).transpose(1, 2).reshape(bsz, seq, -1))
+        else:
+            q = self._rotate_and_cache(x, cos, sin, k_buf, v_buf, start)
+        return self.o_proj(self.attend(q, k_buf, v_buf, end, mask).transpose(1, 2).reshape(bsz, seq, -1))
+
+    def _rotate_and_cache(self, x, cos, sin, k_buf, v_buf, start: int) -> torch.Tensor:
+        """q [B, H, T, D] rotated; k (rotated) and v written into rows start.. of the buffers."""
+        bsz, seq, _ = x.shape
         q, k, v = self.project_qkv(x)
         q = q.view(bsz, seq, self.num_heads, self.head_dim)
         k = k.view(bsz, seq, self.num_kv_heads, self.head_dim)
@@ -157,10 +163,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)
-        k = apply_rotary(k.transpose(1, 2), cos, sin)
-        k_buf[:, :, start:end] = k
-        v_buf[:, :, start:end] = v.transpose(1, 2)
-        return self.o_proj(self.attend(q, k_buf, v_buf, end, mask).transpose(1, 2).reshape(bsz, seq, -1))
+        k_buf[:, :, start:start + seq] = apply_rotary(k.transpose(1, 2), cos, sin)
+        v_buf[:, :, start:start + seq] = v.transpose(1, 2)
+        return q
 
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, end: int,
                mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -66,13 +66,14 @@ def verify_sampled(logits: torch.Tensor, tree: Tree, params: SamplingParams,
     child_p, resid_mass, resid = _child_tables(probs, tree)
     uniform = torch.rand(tree.size, generator=gen, device=probs.device)
     lazy = probs.device.type == "cpu"     # the bonus row is drawn after the walk, for its end only
-    bonus = torch.zeros_like(tree.tokens) if lazy else sample_rows(resid, gen)
-    table = torch.stack([child_p.double(), resid_mass.double(), uniform.double(),
-                         bonus.double(), tree.parents.double(), tree.tokens.double()])
-    child_p, resid_mass, uniform, bonus, parents, tokens = table.tolist()   # the one host copy
+    rows = [child_p, resid_mass, uniform, tree.parents, tree.tokens]
+    if not lazy:
+        rows.append(sample_rows(resid, gen))
+    table = torch.stack([r.double() for r in rows]).tolist()          # the one host copy
+    child_p, resid_mass, uniform, parents, tokens = table[:5]
     nodes = _walk([int(p) for p in parents], child_p, resid_mass, uniform)
     end = nodes[-1]
-    last = int(sample_rows(resid[end:end + 1], gen)) if lazy else int(bonus[end])
+    last = int(sample_rows(resid[end:end + 1], gen)) if lazy else int(table[5][end])
     emitted = [int(tokens[t]) for t in nodes[1:]] + [last]
     return Acceptance(nodes, emitted)
 
