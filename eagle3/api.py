@@ -90,8 +90,8 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
         None if draft in (None, "", "none") else Path(draft))
     drafter = None
     if draft_path is not None:
-        from .spec.contract import check_pair
-        from .spec.formats import load_draft
+        from .draft.contract import check_pair
+        from .draft.formats import load_draft
         loaded = load_draft(draft_path, target.config, algorithm=algorithm, device=dev, dtype=dtype,
                             target=target)
         check_pair(target.config, loaded.draft, algorithm, target, loaded.info)

@@ -15,7 +15,7 @@ from .errors import Eagle3Error
 DELEGATED = {  # subcommand -> (module, function, help)
     "serve": ("eagle3.serve", "serve_main", "OpenAI-compatible server with speculation metrics"),
     "train": ("eagle3.train", "train_main", "train an EAGLE-3 draft for a target"),
-    "export": ("eagle3.spec.export", "export_main", "export a draft for SGLang / vLLM / llama.cpp"),
+    "export": ("eagle3.export.writer", "export_main", "export a draft for SGLang / vLLM / llama.cpp"),
     "doctor": ("eagle3.doctor", "doctor_main", "check a target/draft pair or a launch line"),
     "bench": ("eagle3.bench", "bench_main", "benchmark against HF transformers and llama.cpp"),
 }
@@ -49,7 +49,7 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace):
-    from .spec.tree import SpecParams
+    from .speculative.tree import SpecParams
     base = SpecParams()
     return SpecParams(top_k=args.top_k or base.top_k, depth=args.depth or base.depth,
                       num_draft_tokens=args.num_draft_tokens or base.num_draft_tokens,

@@ -40,6 +40,6 @@ def hf_model_from_dict(hf_cfg: dict, seed: int = 0):
 
 def native_from_hf(hf_model, tmp_path):
     """Save an HF model to safetensors and load it through our strict loader."""
-    from eagle3.runtime.loader import load_model
+    from .runtime.loader import load_model
     hf_model.save_pretrained(tmp_path, safe_serialization=True)
     return load_model(tmp_path)

@@ -32,7 +32,7 @@ def measure(engine, prompts: list[str], temperature: float, max_new: int, depth:
         res = engine.generate(p, SamplingParams(temperature=temperature, max_new_tokens=max_new, seed=i))
         for s in res.decode_steps:
             tokens, steps = tokens + len(s.tokens), steps + 1
-            for k in range(min(s.drafted, depth)):
+            for k in range(min(s.accepted, depth)):
                 reached[k] += 1
     return {"temperature": temperature, "prompts": len(prompts), "tau": round(tokens / max(steps, 1), 3),
             "accept_per_position": [round(r / max(steps, 1), 3) for r in reached],

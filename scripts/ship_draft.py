@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 
 from eagle3.runtime.loader import load_model, resolve_model
-from eagle3.spec.draft import DraftConfig, Eagle3Draft
-from eagle3.spec.formats import load_draft, save_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.formats import load_draft, save_draft
 from eagle3.train.config import TrainConfig
 from eagle3.train.trainer import load_checkpoint
 

@@ -20,8 +20,8 @@ import torch
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.assets import mtbench_questions
 from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
-from eagle3.spec.draft import DraftConfig, DraftOutput, Eagle3Draft
-from eagle3.spec.tree import SpecParams
+from eagle3.draft.model import DraftConfig, DraftOutput, Eagle3Draft
+from eagle3.speculative.tree import SpecParams
 
 SHAPES = "1,1,2;1,3,4;1,5,6;2,3,6;3,4,8;4,5,8;4,5,16"
 

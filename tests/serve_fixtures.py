@@ -11,10 +11,10 @@ from typing import Optional
 import torch
 
 from eagle3.generate import Engine, PlainDecoder, SamplingParams
-from eagle3.generate.types import Step
+from eagle3.speculative.step import Step
 from eagle3.models.config import ModelConfig
 from eagle3.models.llama import LlamaModel
-from eagle3.spec.tree import SpecParams
+from eagle3.speculative.tree import SpecParams
 
 VOCAB = 49152      # the real tokenizer's vocabulary, so decoded text is real text
 

@@ -9,8 +9,8 @@ import torch
 from eagle3.generate import Engine, SamplingParams
 from eagle3.models.config import ModelConfig
 from eagle3.models.llama import LlamaModel
-from eagle3.spec.draft import DraftConfig, DraftOutput, Eagle1Draft, Eagle3Draft
-from eagle3.spec.tree import SpecParams
+from eagle3.draft.model import DraftConfig, DraftOutput, Eagle1Draft, Eagle3Draft
+from eagle3.speculative.tree import SpecParams
 
 AUX_IDS = (0, 2, 3)
 

@@ -8,8 +8,8 @@ import torch
 from eagle3.adapters import HFTarget
 from eagle3.errors import ContractError
 from eagle3.generate import Engine, SamplingParams
-from eagle3.spec.draft import DraftConfig, Eagle3Draft
-from eagle3.spec.tree import SpecParams
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.speculative.tree import SpecParams
 
 from test_adapter import IDS, TinyWrapperForConditionalGeneration, prompt, tiny_deepseek, tiny_kimi_k25
 
@@ -115,7 +115,7 @@ def test_eagle3_draft_fed_one_hidden_state_is_an_error_naming_eagle3(wrapped_tar
 
 def test_saved_draft_for_wrapped_deepseek_loads_and_refuses_algorithm_eagle(wrapped_target,
                                                                            tmp_path):
-    from eagle3.spec.formats import load_draft, save_draft
+    from eagle3.draft.formats import load_draft, save_draft
     draft_dir = save_draft(eagle3_draft_for(wrapped_target), tmp_path / "d", "specforge",
                            wrapped_target.config)
     loaded = load_draft(draft_dir, wrapped_target.config, target=wrapped_target)
@@ -130,7 +130,7 @@ def test_saved_draft_for_wrapped_deepseek_loads_and_refuses_algorithm_eagle(wrap
 
 def test_doctor_on_the_wrapped_deepseek_pair_flags_the_incident_line(wrapped_target, tmp_path):
     from eagle3.doctor import run_doctor
-    from eagle3.spec.formats import save_draft
+    from eagle3.draft.formats import save_draft
     draft_dir = save_draft(eagle3_draft_for(wrapped_target), tmp_path / "d", "specforge",
                            wrapped_target.config)
     line = (f"python -m sglang.launch_server --model-path moonshotai/Kimi-K2.5 --speculative-algorithm"

@@ -24,7 +24,7 @@ from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_
 from eagle3.errors import InputError
 from eagle3.generate import Engine
 from eagle3.models.packed import pack_for_inference
-from eagle3.spec.tree import SpecParams
+from eagle3.speculative.tree import SpecParams
 from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
 
 STOP = 2

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from eagle3.errors import ContractError, InputError
-from eagle3.spec.contract import check_pair, normalize_algorithm, run_checks
-from eagle3.spec.formats import load_draft, save_draft
+from eagle3.draft.contract import check_pair, normalize_algorithm, run_checks
+from eagle3.draft.formats import load_draft, save_draft
 
 from test_formats import edit_config, tiny_draft, tiny_target
 

@@ -22,8 +22,8 @@ from eagle3.doctor import doctor_main, run_doctor
 from eagle3.doctor.checks import ProbeSettings
 from eagle3.models.config import ModelConfig
 from eagle3.models.llama import LlamaModel
-from eagle3.spec.draft import DraftConfig, Eagle3Draft
-from eagle3.spec.formats import save_draft
+from eagle3.draft.model import DraftConfig, Eagle3Draft
+from eagle3.draft.formats import save_draft
 
 V, H, L = 64, 32, 8
 IDS = (2, 4, 5)            # default ids for 8 layers (input convention)
@@ -298,7 +298,7 @@ def test_off_by_one_ids_fail_the_probe_and_name_the_shift(tmp_path, target_dir, 
 
 
 def test_lines_written_by_eagle3_export_lint_clean(tmp_path, target_dir, target):
-    from eagle3.spec.export import launch_lines
+    from eagle3.export.writer import launch_lines
     for ids in (IDS, (1, 4, 6)):              # default ids, and custom ids every engine must see
         draft_dir = write_draft(tmp_path, copy_draft(target, ids=ids), f"d{ids[0]}", target=target)
         lines = launch_lines(draft_dir, target_dir, num_steps=3, topk=2, num_draft_tokens=6)
@@ -326,7 +326,7 @@ def test_doctor_on_the_real_target_with_an_untrained_draft(tmp_path, real_model)
 
 
 def test_eagle1_draft_served_as_eagle3(tmp_path, target_dir, target):
-    from eagle3.spec.draft import Eagle1Draft
+    from eagle3.draft.model import Eagle1Draft
     torch.manual_seed(0)
     draft = Eagle1Draft(DraftConfig.for_target(target.config, algorithm="eagle"))
     draft_dir = write_draft(tmp_path, draft, "e1", "eagle", target=target)

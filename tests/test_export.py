@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.spec.export import export_draft, export_main, launch_lines
-from eagle3.spec.formats import TargetInfo, load_draft, save_draft
+from eagle3.export.writer import export_draft, export_main, launch_lines
+from eagle3.draft.formats import TargetInfo, load_draft, save_draft
 
 from test_formats import DEFAULT_IDS, TARGET_HF, edit_config, tiny_draft, tiny_target
 
@@ -167,7 +167,7 @@ def test_llama_cpp_converter_reads_our_exports(tmp_path, fmt):
     """llama.cpp must record the ids we trained on (it reads only top-level ids) and d2t as ids."""
     from eagle3.models.config import ModelConfig
     from eagle3.runtime.loader import resolve_model
-    from eagle3.spec.draft import DraftConfig, Eagle3Draft
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
     lcpp, src = Path(LLAMA_CPP), resolve_model(None)
     sys.path.insert(0, str(lcpp / "gguf-py"))
     import gguf
@@ -197,7 +197,7 @@ def test_real_smollm2_export(tmp_path, capsys):
     """A draft for the packaged SmolLM2 (30 layers): SGLang ids 1, 14, 26 = input ids 2, 15, 27."""
     from eagle3.models.config import ModelConfig
     from eagle3.runtime.loader import resolve_model
-    from eagle3.spec.draft import DraftConfig, Eagle3Draft
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
     src = resolve_model(None)
     cfg = TargetInfo(ModelConfig.from_hf(config_of(src.hf_dir)), str(src.hf_dir))
     draft = Eagle3Draft(DraftConfig.for_target(cfg.config, draft_vocab_size=2048))

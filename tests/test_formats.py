@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 from eagle3.errors import ContractError, LoadError, UnsupportedError
 from eagle3.models.config import ModelConfig
 from eagle3.models.llama import LlamaModel
-from eagle3.spec.draft import DraftConfig, Eagle1Draft, Eagle3Draft
-from eagle3.spec.formats import TargetInfo, attach_target, inspect_draft, load_draft, save_draft
+from eagle3.draft.model import DraftConfig, Eagle1Draft, Eagle3Draft
+from eagle3.draft.formats import TargetInfo, attach_target, inspect_draft, load_draft, save_draft
 
 TARGET_HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
              "intermediate_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,

@@ -4,7 +4,7 @@ import torch
 
 from eagle3 import kernels
 from eagle3.models.packed import STABLE_ROWS, PackedLinear
-from eagle3.spec.tree import MAX_DRAFT_TOKENS
+from eagle3.speculative.tree import MAX_DRAFT_TOKENS
 
 needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
                            reason=f"small-M kernels not available here: {kernels.why()}")

@@ -113,7 +113,7 @@ def test_packed_model_matches_unpacked(pair):
 
 
 def test_top_p_filter_head_equals_full_sort():
-    from eagle3.generate.sampling import top_p_filter
+    from eagle3.sampling import top_p_filter
     gen = torch.Generator().manual_seed(0)
     for scale in (0.5, 3.0, 10.0):           # flat (fallback) to peaked (head path)
         probs = torch.softmax(scale * torch.randn(4, 1000, generator=gen), dim=-1)

@@ -249,7 +249,7 @@ def test_metrics_counters_move(server, client):
 
 def test_health_reports_degraded_and_warns(target, caplog):
     """The engine's AcceptanceMonitor over a draft whose proposals are all rejected."""
-    from eagle3.spec.monitor import AcceptanceMonitor
+    from eagle3.speculative.monitor import AcceptanceMonitor
     engine = GroupedEngine(target, tokenizer(), max_model_len=CTX)
     engine.monitor = AcceptanceMonitor(window=8)
     chat = {**GOOD, "max_tokens": 12, "temperature": 0}
@@ -391,8 +391,8 @@ def test_real_spec_decoder_served_equals_plain(target):
     and the proposals show up in the response stats."""
     import torch
 
-    from eagle3.spec.draft import DraftConfig, Eagle3Draft
-    from eagle3.spec.tree import SpecParams
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    from eagle3.speculative.tree import SpecParams
     torch.manual_seed(3)
     draft = Eagle3Draft(DraftConfig.for_target(target.config, aux_layer_ids=(0, 2, 3))).eval()
     draft.set_embedding(target.embed_tokens.weight)

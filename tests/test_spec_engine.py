@@ -8,12 +8,12 @@ import torch
 
 from eagle3.errors import ContractError
 from eagle3.generate import Engine, PlainDecoder, SamplingParams
-from eagle3.generate.sampling import target_probs
-from eagle3.generate.types import Step
+from eagle3.sampling import target_probs
+from eagle3.speculative.step import Step
 from eagle3.models.layers import tree_block_mask
-from eagle3.spec.engine import SpecDecoder
-from eagle3.spec.monitor import AcceptanceMonitor
-from eagle3.spec.tree import SpecParams, build_tree
+from eagle3.speculative.decoder import SpecDecoder
+from eagle3.speculative.monitor import AcceptanceMonitor
+from eagle3.speculative.tree import SpecParams, build_tree
 from spec_helpers import (StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
                           plain_greedy, spec_engine, tiny_draft, tiny_target)
 
@@ -220,7 +220,7 @@ def test_draft_for_another_target_is_rejected(target):
 # ---------------------------------------------------------------------------- monitor
 def test_monitor_warns_once_when_nothing_is_accepted(caplog):
     mon = AcceptanceMonitor(window=8)
-    with caplog.at_level(logging.WARNING, logger="eagle3.spec"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.speculative"):
         for _ in range(7):
             mon.observe(Step([1], 0, proposed=4))
         assert not mon.degraded and not caplog.records
@@ -241,7 +241,7 @@ def test_monitor_stays_quiet_when_a_working_draft_hits_a_bad_stretch(caplog):
     """Sampled text can turn unpredictable for a while (a zero streak); a draft that has been
     accepting is not mis-paired, so no warning. From the start, the same streak warns."""
     mon = AcceptanceMonitor(window=8)
-    with caplog.at_level(logging.WARNING, logger="eagle3.spec"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.speculative"):
         for _ in range(20):
             mon.observe(Step([1, 2], 1, proposed=4))
         for _ in range(30):
@@ -254,7 +254,7 @@ def test_monitor_stays_quiet_when_a_working_draft_hits_a_bad_stretch(caplog):
 
 def test_monitor_ignores_plain_steps_on_an_engine_with_a_draft(caplog):
     mon = AcceptanceMonitor(window=8)
-    with caplog.at_level(logging.WARNING, logger="eagle3.spec"):
+    with caplog.at_level(logging.WARNING, logger="eagle3.speculative"):
         for _ in range(20):
             mon.observe(Step([1], 0, proposed=0))     # speculative=False: nothing was proposed
     assert mon.steps == 0 and not mon.degraded and not caplog.records
@@ -271,7 +271,7 @@ def test_engine_monitor_sees_acceptance(target, reference):
 # ---------------------------------------------------------------------------- real model
 @pytest.mark.real
 def test_real_smollm2_random_draft_greedy_identical(real_model):
-    from eagle3.spec.draft import DraftConfig, Eagle3Draft
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
     target, tok, _ = real_model
     torch.manual_seed(0)
     draft = Eagle3Draft(DraftConfig.for_target(target.config)).eval()

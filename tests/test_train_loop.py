@@ -106,7 +106,7 @@ def test_warm_start_from_another_run(tmp_path):
 
 
 def test_warm_start_from_an_exported_draft_directory(tmp_path):
-    from eagle3.spec.formats import save_draft
+    from eagle3.draft.formats import save_draft
     torch.set_num_threads(1)
     target = tiny_target(std=1.0)
     samples = synthetic_samples(target, 12)

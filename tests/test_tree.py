@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3.errors import InputError
-from eagle3.spec.tree import (SpecParams, build_tree, concat_levels, expand, root_frontier,
+from eagle3.speculative.tree import (SpecParams, build_tree, concat_levels, expand, root_frontier,
                               select_nodes)
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eagle3.generate.sampling import SamplingParams, target_probs
-from eagle3.spec.tree import build_tree
-from eagle3.spec.verify import verify_greedy, verify_sampled
+from eagle3.sampling import SamplingParams, target_probs
+from eagle3.speculative.tree import build_tree
+from eagle3.speculative.verify import verify_greedy, verify_sampled
 from spec_helpers import chi_square_p, one_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -111,7 +111,7 @@ def test_chi_square_detects_a_lossy_rule():
 
 
 def test_sample_rows_follows_the_weights_and_skips_zeros():
-    from eagle3.generate.sampling import sample_rows
+    from eagle3.sampling import sample_rows
     weights = torch.tensor([[0.0, 1.0, 0.0, 3.0, 6.0, 0.0], [5.0, 0.0, 0.0, 0.0, 0.0, 5.0]])
     draws = sample_rows(weights.repeat(3000, 1), torch.Generator().manual_seed(0)).view(3000, 2)
     for row in range(2):
@@ -120,14 +120,14 @@ def test_sample_rows_follows_the_weights_and_skips_zeros():
 
 
 def test_sample_rows_maps_a_draw_at_the_total_to_the_last_nonzero_weight(monkeypatch):
-    from eagle3.generate import sampling
+    from eagle3 import sampling
     weights = torch.tensor([[0.0, 2.0, 0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
     monkeypatch.setattr(sampling.torch, "rand", lambda *a, **k: torch.ones(2, 1, dtype=torch.float64))
     assert sampling.sample_rows(weights, torch.Generator()).tolist() == [3, 0]
 
 
 def test_plain_sampling_follows_the_processed_distribution():
-    from eagle3.generate.sampling import SamplingParams, sample_next, target_probs
+    from eagle3.sampling import SamplingParams, sample_next, target_probs
     logits = torch.randn(40, generator=torch.Generator().manual_seed(4)) * 2
     params = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)
     gen = torch.Generator().manual_seed(5)
@@ -138,7 +138,7 @@ def test_plain_sampling_follows_the_processed_distribution():
 
 
 def test_sampling_names_weights_without_mass():
-    from eagle3.generate.sampling import sample_rows
+    from eagle3.sampling import sample_rows
     for bad in (torch.zeros(1, 5), torch.tensor([[1.0, float("nan"), 0.0]])):
         with pytest.raises(RuntimeError, match="no finite positive mass"):
             sample_rows(bad, torch.Generator().manual_seed(0))

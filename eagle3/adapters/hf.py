@@ -29,7 +29,7 @@ from torch import nn
 from ..errors import ContractError, LoadError, UnsupportedError
 from ..models.config import RopeConfig, check_capture_ids
 from ..models.llama import ForwardOutput
-from ..runtime.kv_cache import check_room
+from ..models.kv_cache import check_room
 
 # attribute names of a decoder stack: (layer list, token embedding)
 LAYER_ATTRS = ("layers", "h")

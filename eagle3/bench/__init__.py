@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..cli import add_precision_args
 from ..errors import InputError
-from ..spec.tree import SpecParams
+from ..speculative.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
                      table, to_jsonable, tree_vs_chain_text)
 from .runner import BenchConfig, build, machine_info, run

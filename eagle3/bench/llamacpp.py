@@ -146,7 +146,7 @@ class LlamaCppEagle3System:
 
 def draft_gguf_for(draft, target_config, hf_dir: Path, converter: Path) -> Path:
     """Write the draft in the SpecForge layout and convert it once (cached by its bytes)."""
-    from ..spec.formats import save_draft
+    from ..draft.formats import save_draft
     staged = save_draft(draft, LLAMA_CPP_HOME / "drafts" / f"staging-{os.getpid()}", "specforge",
                         target_config, dtype=torch.float32)
     digest = hashlib.sha256()

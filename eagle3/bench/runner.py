@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from ..errors import InputError
-from ..spec.tree import SpecParams
+from ..speculative.tree import SpecParams
 from .memory import PeakMemory, rss_bytes
 from .stats import Record
 from .systems import GenParams, System, build_hf, build_ours

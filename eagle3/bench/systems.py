@@ -112,7 +112,7 @@ class OursSystem:
         if not self.speculative:
             return RunResult(list(res.token_ids), res.wall_s, draft_s=0.0, verify_s=verify_s)
         return RunResult(list(res.token_ids), res.wall_s, tau=res.tau,
-                         accept_lens=[s.drafted for s in res.decode_steps],
+                         accept_lens=[s.accepted for s in res.decode_steps],
                          draft_s=draft_s, verify_s=verify_s,
                          extra={"proposed": sum(s.proposed for s in res.decode_steps)})
 

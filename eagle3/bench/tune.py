@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..errors import InputError
-from ..spec.tree import SpecParams
+from ..speculative.tree import SpecParams
 from .runner import BenchConfig, Setup, gen_params, on_cpu_clock, rotate
 from .systems import OursSystem, build_ours
 

@@ -102,7 +102,7 @@ def load_draft_checked(pair: Pair, draft_path: Optional[str], algorithm: Optiona
         report.checks.append(failed("draft.path", "no draft given and no shipped draft for this "
                                     "target", "pass --draft DRAFT_DIR"))
         return
-    from ..spec.formats import load_draft
+    from ..draft.formats import load_draft
     pair.draft_config = read_json(Path(draft_path) / "config.json")
     try:
         loaded = load_draft(draft_path, pair.target.config if pair.target is not None else None,
@@ -144,7 +144,7 @@ def describe_draft(info: Any) -> list[Check]:
 
 
 def attach(pair: Pair, loaded: Any, report: DoctorReport) -> None:
-    from ..spec.formats import attach_target
+    from ..draft.formats import attach_target
     try:
         attached = attach_target(loaded, pair.target)
     except ContractError as e:
@@ -160,7 +160,7 @@ STATUS = {"ok": "pass", "warn": "warn", "error": "fail"}
 
 def contract_checks(pair: Pair) -> list[Check]:
     """spec/contract.py's structured checks, in the doctor's vocabulary."""
-    from ..spec.contract import run_checks
+    from ..draft.contract import run_checks
     out = []
     for c in run_checks(pair.target.config, pair.draft, target=pair.target, info=pair.info):
         if c.name == "embedding" and not pair.info.embedding_attached:
@@ -219,7 +219,8 @@ def probe_prompts(pair: Pair, settings: ProbeSettings) -> list[list[int]]:
 def run_probe(pair: Pair, draft: Any, settings: ProbeSettings, plain: bool = True) -> ProbeResult:
     """Greedy generation of each probe prompt with the draft (and without, when `plain`)."""
     from ..generate import Engine, SamplingParams
-    from ..spec.tree import SpecParams
+    from ..speculative.step import acceptance_stats
+    from ..speculative.tree import SpecParams
     spec = SpecParams(settings.top_k, settings.depth, settings.num_draft_tokens)
     prompts = probe_prompts(pair, settings)
     max_len = max(len(p) for p in prompts) + settings.max_new_tokens + 1
@@ -232,12 +233,10 @@ def run_probe(pair: Pair, draft: Any, settings: ProbeSettings, plain: bool = Tru
         plain_runs = [plain_engine.generate(prompt_ids=p, params=params) for p in prompts] \
             if plain else []
     steps = [s for r in spec_runs for s in r.decode_steps]
-    emitted = sum(len(s.tokens) for s in steps)
-    reached = [sum(s.drafted >= k for s in steps) / max(len(steps), 1)
-               for k in range(1, settings.depth + 1)]
+    stats = acceptance_stats([s.accepted for s in steps], settings.depth)
     tokens = sum(len(r.token_ids) for r in spec_runs)
     spec_s, plain_s = sum(r.wall_s for r in spec_runs), sum(r.wall_s for r in plain_runs)
-    return ProbeResult(emitted / max(len(steps), 1), reached,
+    return ProbeResult(stats.tau, stats.per_position,
                        all(r.token_ids == p.token_ids
                            for r, p in zip(spec_runs, plain_runs, strict=True)) if plain else True,
                        tokens / spec_s if spec_s else 0.0, tokens / plain_s if plain_s else 0.0,
@@ -246,7 +245,7 @@ def run_probe(pair: Pair, draft: Any, settings: ProbeSettings, plain: bool = Tru
 
 @contextlib.contextmanager
 def quiet_monitor() -> Iterator[None]:
-    log = logging.getLogger("eagle3.spec")
+    log = logging.getLogger("eagle3.speculative")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
@@ -305,7 +304,7 @@ def shift_hint(pair: Pair, settings: ProbeSettings, tau: float) -> Optional[str]
 
 
 def shifted_draft(draft: Any, ids: tuple[int, ...]) -> Any:
-    from ..spec.draft import build_draft
+    from ..draft.model import build_draft
     other = build_draft(replace(draft.config, aux_layer_ids=ids))
     other.load_state_dict(draft.state_dict())
     other.set_embedding(draft.embed_tokens.weight)

@@ -12,15 +12,16 @@ from typing import Iterator, Optional, Sequence
 
 from ..errors import InputError
 from .plain import PlainDecoder
-from .sampling import SamplingParams
+from ..sampling import SamplingParams
 from .text import TextStream, encode_prompt
-from .types import Chunk, Decoder, GenerationResult, Step
+from ..speculative.step import Step
+from .types import Chunk, Decoder, GenerationResult
 
 
 class Engine:
     def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048):
         if draft is not None and spec is None:
-            from ..spec.tree import SpecParams
+            from ..speculative.tree import SpecParams
             spec = SpecParams()
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.max_model_len = max_model_len
@@ -32,7 +33,7 @@ class Engine:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self.monitor = None
         if draft is not None:
-            from ..spec.monitor import AcceptanceMonitor
+            from ..speculative.monitor import AcceptanceMonitor
             self.monitor = AcceptanceMonitor()
 
     # ------------------------------------------------------------------ entry points
@@ -68,7 +69,7 @@ class Engine:
     def make_decoder(self, params: SamplingParams, speculative: bool = True) -> Decoder:
         if self.draft is None or not speculative:
             return PlainDecoder(self.target, self.cache, params)
-        from ..spec.engine import SpecDecoder
+        from ..speculative.decoder import SpecDecoder
         return SpecDecoder(self.target, self.draft, self.cache, self.draft_cache, params, self.spec)
 
     # ------------------------------------------------------------------ the loop
@@ -91,7 +92,7 @@ class Engine:
             if text.stopped:
                 finish = "stop"
             ttft = ttft or time.perf_counter() - t0
-            drafted = [i < step.drafted for i in range(len(new))]
+            drafted = [i < step.accepted for i in range(len(new))]
             if finish:
                 delta += text.flush()
                 result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,

@@ -6,9 +6,9 @@ import time
 import torch
 
 from ..models.llama import LlamaModel
-from ..runtime.kv_cache import KVCache
-from .sampling import SamplingParams, sample_next
-from .types import Step
+from ..models.kv_cache import KVCache
+from ..sampling import SamplingParams, sample_next
+from ..speculative.step import Step
 
 
 class PlainDecoder:

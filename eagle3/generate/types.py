@@ -4,14 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Protocol
 
-
-class Step(NamedTuple):
-    """What one target forward produced."""
-    tokens: list[int]        # emitted tokens, in order: accepted draft tokens, then the bonus token
-    drafted: int             # how many leading tokens came from accepted draft proposals
-    draft_s: float = 0.0     # time spent in the draft model this step
-    verify_s: float = 0.0    # time spent in the target forward (prefill/decode/verify)
-    proposed: int = 0        # draft tokens the target checked this step (tree size - 1)
+from ..speculative.step import Step, acceptance_stats
 
 
 class Chunk(NamedTuple):
@@ -40,8 +33,7 @@ class GenerationResult:
     @property
     def tau(self) -> float:
         """Mean tokens per target decode forward (accepted draft tokens + 1); 1.0 without a draft."""
-        steps = self.decode_steps
-        return sum(len(s.tokens) for s in steps) / len(steps) if steps else 1.0
+        return acceptance_stats([s.accepted for s in self.decode_steps]).tau
 
     @property
     def tokens_per_s(self) -> float:
@@ -49,10 +41,7 @@ class GenerationResult:
 
     def acceptance_per_position(self, depth: int) -> list[float]:
         """Fraction of decode steps whose accepted draft length reached position 1..depth."""
-        steps = self.decode_steps
-        if not steps:
-            return [0.0] * depth
-        return [sum(s.drafted >= k for s in steps) / len(steps) for k in range(1, depth + 1)]
+        return acceptance_stats([s.accepted for s in self.decode_steps], depth).per_position
 
 
 class Decoder(Protocol):

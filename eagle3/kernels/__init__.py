@@ -59,7 +59,7 @@ def _build() -> KernelState:
     need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
     if not need <= flags:
         return KernelState(None, f"CPU lacks {sorted(need - flags)}", False)
-    from ..runtime.loader import cache_root
+    from ..paths import cache_root
     from torch.utils.cpp_extension import load
     digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
                           + torch.__version__.encode()).hexdigest()[:12]

@@ -12,7 +12,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from ..runtime.kv_cache import KVCache
+from .kv_cache import KVCache
 from .config import ModelConfig, check_capture_ids
 from .layers import MLP, Attention, RMSNorm, Rotary, additive_mask, causal_block_mask
 

@@ -133,7 +133,7 @@ def pack_for_inference(model: nn.Module, weight_dtype: torch.dtype = torch.float
         for child_name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, child_name, PackedLinear(child.weight, child.bias, weight_dtype, small_rows))
-    from ..spec.draft import Eagle3Layer
+    from ..draft.model import Eagle3Layer
     from .llama import DecoderLayer
     for module in model.modules():
         if isinstance(module, (DecoderLayer, Eagle3Layer)):

@@ -2,6 +2,6 @@
 
 Import the loader as `eagle3.runtime.loader` (it depends on eagle3.models, which depends on the cache).
 """
-from .kv_cache import KVCache
+from ..models.kv_cache import KVCache
 
 __all__ = ["KVCache"]

@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..errors import LoadError
+from ..paths import cache_root
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
 from ..models.packed import pack_for_inference
@@ -37,10 +38,6 @@ class ModelSource:
     name: str          # what the user asked for
     hf_dir: Path       # directory with config.json + safetensors + tokenizer
     gguf: Optional[Path] = None
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
 
 
 def resolve_model(spec: Optional[str]) -> ModelSource:

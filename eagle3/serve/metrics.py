@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from ..generate import Step
+from ..speculative.step import Step
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -82,9 +82,9 @@ class ServerMetrics:
                 continue
             self.num_drafts.inc()
             self.draft_tokens.inc(s.proposed)
-            self.accepted_tokens.inc(s.drafted)
-            self.accept_len.observe(s.drafted + 1)
-            for k in range(1, s.drafted + 1):
+            self.accepted_tokens.inc(s.accepted)
+            self.accept_len.observe(s.accepted + 1)
+            for k in range(1, s.accepted + 1):
                 self.accepted_per_pos.labels(position=str(k)).inc()
 
     def render(self) -> bytes:

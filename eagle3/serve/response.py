@@ -113,7 +113,7 @@ class Generation:
                 "decode_steps": len(steps), "tokens": len(result.token_ids),
                 "drafted_tokens": self.drafted,          # emitted tokens that were draft proposals
                 "draft_tokens_proposed": sum(s.proposed for s in steps),
-                "draft_tokens_accepted": sum(s.drafted for s in steps),
+                "draft_tokens_accepted": sum(s.accepted for s in steps),
                 "acceptance_per_position": [round(a, 4) for a in
                                             result.acceptance_per_position(self.server.depth)],
                 "tokens_per_s": round(result.tokens_per_s, 2), "ttft_s": round(result.ttft_s, 4),

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..spec.formats import load_draft, save_draft
+from ..draft.formats import load_draft, save_draft
 from .config import TrainConfig
 from .features import Sample
 from .pipeline import train

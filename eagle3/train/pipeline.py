@@ -22,7 +22,7 @@ from tqdm import tqdm
 from ..errors import ContractError, InputError
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
-from ..spec.draft import DraftConfig, Eagle3Draft
+from ..draft.model import DraftConfig, Eagle3Draft
 from .config import TrainConfig
 from .features import Batch, FeatureCache, FeatureSource, Sample, build_cache, load_conversations
 from .trainer import Cursor, Dist, Run, TrainState, load_checkpoint, make_optimizer, restore, train_loop
@@ -76,7 +76,7 @@ class WarmSource(NamedTuple):
     def load(cls, path: Path, target: ModelConfig) -> "WarmSource":
         """A run's checkpoint.pt or an exported draft directory (e.g. the shipped one)."""
         if path.is_dir():
-            from ..spec.formats import load_draft
+            from ..draft.formats import load_draft
             draft = load_draft(path, dtype=torch.float32).draft
             state = {k: v for k, v in draft.state_dict().items() if k != "embed_tokens.weight"}
             return cls(path, state, tuple(draft.config.aux_layer_ids))

@@ -9,7 +9,7 @@ from tqdm import tqdm
 
 from ..runtime.assets import mtbench_questions, sharegpt_json
 from ..runtime.loader import load_model, load_tokenizer, resolve_model
-from ..spec.formats import save_draft
+from ..draft.formats import save_draft
 from .config import TrainConfig
 from .data import PromptFilter, select_prompts
 from .features import load_conversation_files

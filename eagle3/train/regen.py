@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..models.llama import LlamaModel
-from ..runtime.kv_cache import KVCache
+from ..models.kv_cache import KVCache
 from .data import Prompt
 
 

@@ -7,7 +7,7 @@ import torch
 
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
-from ..spec.draft import DraftConfig, Eagle3Draft
+from ..draft.model import DraftConfig, Eagle3Draft
 from .vocab import DraftVocab
 
 TINY_TARGET = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models.layers import apply_rotary
-from ..spec.draft import Eagle3Draft
+from ..draft.model import Eagle3Draft
 from .features import Batch
 
 

@@ -24,11 +24,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..errors import ContractError, InputError
-from ..generate.sampling import SamplingParams, sample_next
-from ..generate.types import Step
+from ..sampling import SamplingParams, sample_next
+from .step import Step
 from ..models.layers import tree_block_mask
-from ..runtime.kv_cache import KVCache
-from .draft import DraftBase
+from ..models.kv_cache import KVCache
+from ..draft.model import DraftBase
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
 from .verify import Acceptance, verify_greedy, verify_sampled

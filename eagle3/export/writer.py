@@ -25,9 +25,9 @@ import torch
 
 from ..errors import Eagle3Error, InputError, LoadError
 from ..models.config import ModelConfig, RopeConfig
-from .contract import check_pair
-from .draft import DraftBase
-from .formats import (IDS_KEY, DraftInfo, TargetInfo, inspect_draft, load_draft, read_hf_config,
+from ..draft.contract import check_pair
+from ..draft.model import DraftBase
+from ..draft.formats import (IDS_KEY, DraftInfo, TargetInfo, inspect_draft, load_draft, read_hf_config,
                       save_draft)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

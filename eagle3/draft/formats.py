@@ -66,7 +66,7 @@ from ..models.config import ModelConfig, RopeConfig
 from ..runtime.loader import read_hf_config, read_safetensors
 from .contract import algorithm_mismatch_error, normalize_algorithm
 from ..models.layers import Rotary
-from .draft import DraftBase, DraftConfig, build_draft
+from .model import DraftBase, DraftConfig, build_draft
 
 FORMATS = ("eagle", "specforge", "vllm", "speculators")
 WRITABLE_FORMATS = ("specforge", "speculators", "eagle")

@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import ContractError
 from ..models.config import ModelConfig, RopeConfig
 from ..models.layers import MLP, Attention, RMSNorm, Rotary, causal_block_mask
-from ..runtime.kv_cache import KVCache
+from ..models.kv_cache import KVCache
 
 ALGORITHMS = ("eagle3", "eagle")
 

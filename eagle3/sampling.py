@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from ..errors import InputError
+from .errors import InputError
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..generate.sampling import SamplingParams, sample_rows, target_probs
+from ..sampling import SamplingParams, sample_rows, target_probs
 from .tree import Tree
 
 

@@ -15,9 +15,9 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
-from ..generate.types import Step
+from .step import Step, acceptance_stats
 
-log = logging.getLogger("eagle3.spec")
+log = logging.getLogger("eagle3.speculative")
 
 DEGRADED_MESSAGE = (
     "SPECULATION IS NOT WORKING: the target accepted 0 draft tokens in each of the last {n} steps "
@@ -35,7 +35,6 @@ class AcceptanceMonitor:
         self.proposed = 0
         self.accepted = 0
         self.accept_hist: Counter[int] = Counter()       # accepted draft tokens -> steps
-        self.reached: list[int] = []                      # reached[k-1]: steps accepting >= k
         self.warned = False
 
     def observe(self, step: Step) -> None:
@@ -45,12 +44,9 @@ class AcceptanceMonitor:
             return
         self.steps += 1
         self.proposed += step.proposed
-        self.accepted += step.drafted
-        self.accept_hist[step.drafted] += 1
-        self.reached.extend([0] * (step.drafted - len(self.reached)))
-        for k in range(step.drafted):
-            self.reached[k] += 1
-        self.recent.append(step.drafted)
+        self.accepted += step.accepted
+        self.accept_hist[step.accepted] += 1
+        self.recent.append(step.accepted)
         if self.degraded and not self.warned:
             self.warned = True
             log.warning(DEGRADED_MESSAGE.format(n=self.window))
@@ -64,8 +60,8 @@ class AcceptanceMonitor:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per target forward since start (accepted draft tokens + 1)."""
-        return 1.0 + self.accepted / self.steps if self.steps else 0.0
+        """Mean tokens per target forward since start (accepted draft tokens + 1); 0.0 before any step."""
+        return acceptance_stats(self.accept_hist).tau if self.steps else 0.0
 
     @property
     def window_tau(self) -> float:
@@ -73,7 +69,7 @@ class AcceptanceMonitor:
 
     def acceptance_per_position(self) -> list[float]:
         """Fraction of steps whose accepted draft length reached position 1, 2, ..."""
-        return [r / self.steps for r in self.reached] if self.steps else []
+        return acceptance_stats(self.accept_hist).per_position
 
     def snapshot(self) -> dict[str, Any]:
         return {

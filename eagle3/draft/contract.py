@@ -30,7 +30,7 @@ from ..errors import ContractError, InputError
 from ..models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from .draft import DraftBase
+    from .model import DraftBase
     from .formats import DraftInfo
 
 ALGORITHM_NAMES = {"eagle3": "eagle3", "eagle-3": "eagle3", "eagle_3": "eagle3",
