@@ -49,23 +49,26 @@ def draft_weight_dtype(choice: str) -> torch.dtype:
     return WEIGHT_DTYPES[choice]
 
 
-def pack_engine_weights(target, draft, device: torch.device, weights: str = "fp32",
-                        draft_weights: str = "auto") -> None:
-    """Prepack target and draft for CPU inference in place (nothing to do on other devices);
-    `weights`/`draft_weights` as in load_engine."""
+def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "auto"):
+    """The inference layouts (runtime.target / draft.inference) of a native target and a draft,
+    built once from their weights, which are left as they are; (target, draft). Targets the layout
+    does not cover (the generic HF adapter) are returned as they are. `weights`/`draft_weights` as
+    in load_engine."""
+    from .draft.inference import build_draft_layout
     from .models.llama import LlamaModel
-    from .models.packed import pack_for_inference
+    from .runtime.target import build_target
     if weights not in WEIGHT_DTYPES:
         raise InputError(f"weights={weights!r}: choose one of {sorted(WEIGHT_DTYPES)}")
-    if weights != "fp32" and not (device.type == "cpu" and isinstance(target, LlamaModel)):
-        raise InputError(f"weights={weights} needs the native model packed on the CPU")
-    if device.type != "cpu":
-        return
+    native_cpu = isinstance(target, LlamaModel) and target.device.type == "cpu"
+    if weights != "fp32" and not native_cpu:
+        raise InputError(f"weights={weights} needs the native model on the CPU")
     if isinstance(target, LlamaModel):
         # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
-        pack_for_inference(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
+        target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
     if draft is not None:
-        pack_for_inference(draft, draft_weight_dtype(draft_weights))
+        cpu = draft.device.type == "cpu"
+        draft = build_draft_layout(draft, draft_weight_dtype(draft_weights) if cpu else torch.float32)
+    return target, draft
 
 
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
@@ -75,7 +78,8 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
     the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
-    contract is checked here, before anything runs). pack: prepack weights for CPU inference.
+    contract is checked here, before anything runs). pack: run the inference layouts built from the
+    weights (runtime.target, draft.inference); False runs the reference modules.
     weights: "fp32" (exact: matches the fp32 checkpoint / HF transformers, and greedy speculation is
     token-identical to plain decoding) or "bf16" (target GEMM weights in bf16 on CPUs with oneDNN:
     faster forwards, logits within ~1% of fp32; the target is then packed row-stable, so a verify
@@ -97,7 +101,7 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
         check_pair(target.config, loaded.draft, algorithm, target, loaded.info)
         drafter = loaded.draft.requires_grad_(False)
     if pack:
-        pack_engine_weights(target, drafter, dev, weights, draft_weights)
+        target, drafter = build_layouts(target, drafter, weights, draft_weights)
     elif weights != "fp32":
-        raise InputError(f"weights={weights!r} needs the native model packed on the CPU (pack=True)")
+        raise InputError(f"weights={weights!r} needs the inference layout (pack=True)")
     return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len)

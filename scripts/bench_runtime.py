@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from eagle3.api import pack_engine_weights
+from eagle3.api import build_layouts
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
 
@@ -89,8 +89,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
     src = resolve_model(None)
-    model, tok = load_model(src.hf_dir, pack=False), load_tokenizer(src.hf_dir)
-    pack_engine_weights(model, None, torch.device("cpu"), args.weights)
+    model, _ = build_layouts(load_model(src.hf_dir), None, args.weights)
+    tok = load_tokenizer(src.hf_dir)
     dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=dtype).eval()
     ctx = torch.randint(0, model.config.vocab_size, (1, args.context),

@@ -83,18 +83,37 @@ class OracleDraft(Eagle3Draft):
     def forward(self, input_ids, positions, cache, **kw) -> DraftOutput:
         rows = kw.pop("logits_rows", None)
         out = super().forward(input_ids, positions, cache, **kw)
+        return self.steer(input_ids, positions, out.hidden, rows, self.head)
+
+    def steer(self, input_ids, positions, hidden, rows, head) -> DraftOutput:
+        """The oracle's logits over `head(hidden)` (the draft's own, scaled down)."""
         pos = positions if positions.dim() == 2 else positions[None]
         pos = pos.clamp(max=len(self.seq) - 3)
         right = self.seq[pos + 2]
         on_track = self.seq[pos + 1] == input_ids
-        logits = 0.01 * self.head(out.hidden)
+        logits = 0.01 * head(hidden)
         logits.scatter_add_(-1, right[..., None], on_track[..., None].float() * 10.0)
         noisy = on_track & ((pos * 7) % self.noise_every == 0)
         wrong = (right + 1) % logits.shape[-1]
         logits.scatter_add_(-1, wrong[..., None], noisy[..., None].float() * 12.0)
         if rows is not None:
             logits = logits[:, rows]
-        return DraftOutput(logits, out.hidden)
+        return DraftOutput(logits, hidden)
+
+
+class OracleLayout:
+    """An OracleDraft's steering over an inference layout of it (draft.inference)."""
+
+    def __init__(self, layout, oracle: OracleDraft):
+        self.layout, self.oracle = layout, oracle
+        self.config, self.device = layout.config, layout.device
+        self.new_cache, self.to_target_ids = layout.new_cache, layout.to_target_ids
+
+    def __call__(self, input_ids, positions, cache, **kw) -> DraftOutput:
+        rows = kw.pop("logits_rows", None)
+        out = self.layout(input_ids, positions, cache, **kw)
+        return self.oracle.steer(input_ids, positions, out.hidden, rows,
+                                 lambda h: self.layout._logits(h, None))
 
 
 def oracle_draft(target: LlamaModel, seq: Sequence[int], noise_every: int = 3) -> OracleDraft:

@@ -23,7 +23,7 @@ from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
 from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
 from eagle3.errors import InputError
 from eagle3.generate import Engine
-from eagle3.models.packed import pack_for_inference
+from eagle3.runtime.target import build_target
 from eagle3.speculative.tree import SpecParams
 from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
 
@@ -150,10 +150,8 @@ def tiny_setup(systems, prompts) -> Setup:
 @pytest.fixture
 def harness(one_thread):  # noqa: F811
     target = tiny_target(vocab=32)
-    engine = Engine(target, StubTokenizer(), draft=tiny_draft(target), spec=SpecParams(),
-                    max_model_len=64)
-    systems = build_ours(engine, {"ours-chain3": SpecParams.chain(3),
-                                  "ours-tree": SpecParams(3, 3, 6, 0.0)})
+    systems = build_ours(target, tiny_draft(target), StubTokenizer(), 64,
+                         {"ours-chain3": SpecParams.chain(3), "ours-tree": SpecParams(3, 3, 6, 0.0)})
     gen = torch.Generator().manual_seed(0)
     prompts = [BenchPrompt(10 + i, "cat", "t", tuple(torch.randint(3, 32, (6 + i,), generator=gen)
                                                       .tolist()), "t", i) for i in range(3)]
@@ -246,7 +244,7 @@ def test_roofline_counts_what_a_forward_reads(one_thread):  # noqa: F811
     assert read_bytes_per_forward(tied) == 10 * 4 * 4           # the embedding reads one row
     target = tiny_target()
     fp32 = read_bytes_per_forward(target)
-    pack_for_inference(target, torch.bfloat16)
+    target = build_target(target, torch.bfloat16)
     linears = sum(m.weight.numel() for m in tiny_target().modules() if isinstance(m, torch.nn.Linear))
     assert read_bytes_per_forward(target) == fp32 - 2 * linears  # bf16 GEMM weights: half
     roof = measure(target, read_bytes_per_forward(target), context=8, mib=4)

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from eagle3 import kernels
-from eagle3.models.packed import STABLE_ROWS, PackedLinear
+from eagle3.runtime.backend import STABLE_ROWS, choose_backend
+from eagle3.runtime.linear import PackedLinear
 from eagle3.speculative.tree import MAX_DRAFT_TOKENS
 
 needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
@@ -66,12 +67,12 @@ def test_row_result_independent_of_the_block_and_threads(dtype):
 @needs
 def test_packed_linear_uses_the_kernel_for_small_blocks_only():
     lin = torch.nn.Linear(576, 100, bias=True)
-    packed = PackedLinear(lin.weight, lin.bias)
+    packed = PackedLinear(lin.weight, lin.bias, choose_backend("cpu"))
     assert packed.small is not None
     for rows in (1, 4, 8, 9, 40):
         x = torch.randn(1, rows, 576)
         assert torch.allclose(packed(x), lin(x), atol=1e-4)
-    stable = PackedLinear(lin.weight, lin.bias, small_rows=STABLE_ROWS)
+    stable = PackedLinear(lin.weight, lin.bias, choose_backend("cpu", row_stable=True))
     x = torch.randn(1, 40, 576)
     assert torch.equal(stable(x)[:, 7:8], stable(x[:, 7:8]))
 
@@ -103,7 +104,7 @@ def test_fused_rms_norm_matches_and_is_row_stable():
 @needs
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_fused_attention_matches_fp64_and_rows_are_independent(head_dim):
-    from eagle3.models.layers import row_stable_attention
+    from eagle3.runtime.backend import row_stable_attention
     _, attn = kernels.fused_ops()
     g = torch.Generator().manual_seed(head_dim)
     k_buf = torch.randn(2, 2, 90, head_dim, generator=g)       # a cache buffer; the prefix is read
@@ -123,12 +124,12 @@ def test_fused_attention_matches_fp64_and_rows_are_independent(head_dim):
 
 @needs
 def test_row_stable_packing_uses_fused_ops_and_an_fp32_cache(tmp_path):
-    from eagle3.models.packed import pack_for_inference
+    from eagle3.runtime.target import build_target
     from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
     model = native_from_hf(hf_model_from_dict(FAMILIES["qwen2"]), tmp_path)
-    model = pack_for_inference(model, torch.bfloat16, row_stable=True)
-    assert model.kv_dtype is None and model.norm.fused is not None
-    assert all(layer.self_attn.fused is not None for layer in model.layers)
+    model = build_target(model, torch.bfloat16, row_stable=True)
+    assert model.new_cache(8).k.dtype == torch.float32 and model.backend.name == "avx512"
+    assert model.backend.kernels is not None and model.backend.row_stable
 
 
 @needs
@@ -150,10 +151,10 @@ def test_fused_attention_ignores_where_masked_keys_sit():
 
 @needs
 def test_packed_linear_without_onednn_serves_large_blocks(monkeypatch):
-    from eagle3.models import packed as packed_mod
-    monkeypatch.setattr(packed_mod, "_onednn_ok", lambda: False)
+    from eagle3.runtime import linear
+    monkeypatch.setattr(linear, "onednn_available", lambda: False)
     lin = torch.nn.Linear(64, 40, bias=False)
-    packed = packed_mod.PackedLinear(lin.weight)
+    packed = linear.PackedLinear(lin.weight, None, choose_backend("cpu"))
     for rows in (1, 20):
         x = torch.randn(rows, 64)
         assert torch.allclose(packed(x), lin(x), atol=1e-5)
@@ -169,15 +170,19 @@ def test_fused_attention_names_a_shape_mismatch():
         attn(q, k, torch.randn(1, 2, 9, 64), None)
 
 
-def _packed_family(tmp_path, family, weights):
-    """A tiny model of `family`, packed as load_engine packs it (bf16: row-stable)."""
-    from eagle3.models.packed import pack_for_inference
+def _packed_family(tmp_path, family, weights, **switches):
+    """A tiny model of `family` in the inference layout load_engine builds (bf16: row-stable);
+    `switches` turn backend paths off (Backend.one_call_layers, fused_rope)."""
+    from dataclasses import replace
+
+    from eagle3.runtime.target import build_target
     from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
     if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
         pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
     model = native_from_hf(hf_model_from_dict(FAMILIES[family]), tmp_path)
-    return pack_for_inference(model, torch.bfloat16 if weights == "bf16" else torch.float32,
-                              row_stable=weights == "bf16")
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    backend = replace(choose_backend("cpu", dtype, row_stable=weights == "bf16"), **switches)
+    return build_target(model, backend=backend)
 
 
 def _prefill_decode_verify(model, prompt, block, tree, capture_ids, seed):
@@ -202,8 +207,7 @@ def _prefill_decode_verify(model, prompt, block, tree, capture_ids, seed):
 def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weights):
     """rope_qkv (split + rotary + cache write in one call) rounds exactly as the torch ops do."""
     model = _packed_family(tmp_path, family, weights)
-    attns = [layer.self_attn for layer in model.layers]
-    assert all(a.fused_rope is not None for a in attns)
+    assert model.backend.fused_rope and model.backend.kernels is not None
     tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 0, 1, 0, 0, 0],
                          [1, 1, 0, 1, 0, 0], [1, 0, 1, 0, 1, 0], [1, 1, 0, 1, 0, 1]], dtype=torch.bool)
     capture = {"first": [0, 1], "one": (), "verify": ()}
@@ -213,8 +217,7 @@ def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weig
         return [o["first"].logits, o["first"].aux, o["one"].logits, o["verify"].logits, o["k"], o["v"]]
 
     fused = run()
-    for a in attns:
-        a.fused_rope = None
+    model = _packed_family(tmp_path, family, weights, fused_rope=False)   # same weights (seeded)
     composite = run()
     for x, y in zip(fused, composite):
         assert torch.equal(x, y)
@@ -237,13 +240,13 @@ def test_kernels_run_on_every_torch_thread():
 @needs
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied", "qwen3"])
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights):
-    """DecoderLayer.fused (gemv.cpp decoder_layer) runs the modules' ops in their order."""
+def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights, monkeypatch):
+    """FastLayer's one call (gemv.cpp decoder_layer) runs the composite path's ops in their order."""
     model = _packed_family(tmp_path, family, weights)
-    if family == "qwen3":  # q/k norms: the kernel does not cover them, the modules serve
-        assert all(layer.fused is None for layer in model.layers)
+    if family == "qwen3":  # q/k norms: the kernel does not cover them, the composite path serves
+        assert all(layer.one_call is None for layer in model.layers)
         return
-    assert all(layer.fused is not None and layer.fused_rows >= 8 for layer in model.layers)
+    assert all(layer.one_call is not None for layer in model.layers) and model.backend.kernel_rows >= 8
     tree = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0],
                          [1, 0, 1, 0, 1]], dtype=torch.bool)
     capture = {"first": [1, 2], "one": [1, 2], "verify": [1, 2]}
@@ -254,13 +257,12 @@ def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights
         return [o["first"].logits, o["first"].aux, o["one"].logits, o["one"].aux,
                 o["verify"].logits, o["verify"].aux, o["k"], o["v"]]
 
-    for layer in model.layers:
-        kernel = layer.fused
-        layer.fused = lambda *a, kernel=kernel: calls.append(1) or kernel(*a)
+    kernel = kernels.state().module.decoder_layer
+    monkeypatch.setattr(kernels.state().module, "decoder_layer",
+                        lambda *a: calls.append(1) or kernel(*a))
     fused = run()
     assert calls                          # the one-call path really ran
-    for layer in model.layers:
-        layer.fused = None
+    model = _packed_family(tmp_path, family, weights, one_call_layers=False)   # same weights
     modules = run()
     for x, y in zip(fused, modules):
         assert torch.equal(x, y)
@@ -268,19 +270,22 @@ def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights
 
 @needs
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
-def test_one_call_midlayer_equals_the_modules_bit_for_bit(weights):
+def test_one_call_midlayer_equals_the_modules_bit_for_bit(weights, monkeypatch):
     """An EAGLE-3 draft's midlayer on the one-call kernel: features, tree levels and extends."""
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from spec_helpers import AUX_IDS, tiny_draft, tiny_target
-    from eagle3.models.packed import pack_for_inference
+    from dataclasses import replace
+
+    from eagle3.draft.inference import build_draft_layout
     if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
         pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
     target = tiny_target()
-    draft = pack_for_inference(tiny_draft(target, draft_vocab=20),
-                               torch.bfloat16 if weights == "bf16" else torch.float32)
-    assert draft.midlayer.fused is not None
+    reference = tiny_draft(target, draft_vocab=20)
+    backend = choose_backend("cpu", torch.bfloat16 if weights == "bf16" else torch.float32)
+    draft = build_draft_layout(reference, backend=backend)
+    assert draft.layer.one_call is not None
     g = torch.Generator().manual_seed(3)
     feats = torch.randn(1, 7, len(AUX_IDS) * target.config.hidden_size, generator=g)
     ids = torch.randint(0, target.config.vocab_size, (1, 7), generator=g)
@@ -294,11 +299,12 @@ def test_one_call_midlayer_equals_the_modules_bit_for_bit(weights):
         level = draft(ids[:, :3], torch.full((3,), 7), cache, hidden=hidden, attn_mask=mask[None, None])
         return [first.logits, first.hidden, level.logits, level.hidden]
 
-    kernel = draft.midlayer.fused
-    draft.midlayer.fused = lambda *a: calls.append(1) or kernel(*a)
+    kernel = kernels.state().module.decoder_layer
+    monkeypatch.setattr(kernels.state().module, "decoder_layer",
+                        lambda *a: calls.append(1) or kernel(*a))
     fused = run()
     assert calls
-    draft.midlayer.fused = None
+    draft = build_draft_layout(reference, backend=replace(backend, one_call_layers=False))
     for x, y in zip(fused, run()):
         assert torch.equal(x, y)
 
@@ -306,12 +312,12 @@ def test_one_call_midlayer_equals_the_modules_bit_for_bit(weights):
 @needs
 def test_kernels_handle_a_batch_of_two_like_two_single_calls():
     """B > 1: rows of the attention, rope_qkv and the one-call layer follow their batch entry."""
-    from eagle3.models.packed import pack_for_inference
+    from eagle3.runtime.target import build_target
     import sys
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from spec_helpers import tiny_target
-    model = pack_for_inference(tiny_target(layers=2), torch.float32)
+    model = build_target(tiny_target(layers=2), torch.float32)
     g = torch.Generator().manual_seed(6)
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=g)
     pos = torch.arange(9)
@@ -319,7 +325,7 @@ def test_kernels_handle_a_batch_of_two_like_two_single_calls():
     for b in range(2):
         alone = model(ids[b:b + 1], pos, model.new_cache(16))
         assert torch.equal(both.logits[b], alone.logits[0])
-    assert all(layer.fused is not None for layer in model.layers)
+    assert all(layer.one_call is not None for layer in model.layers)
 
 
 @needs

@@ -97,9 +97,9 @@ def test_default_capture_ids():
 def test_packed_model_matches_unpacked(pair):
     import copy
 
-    from eagle3.models.packed import pack_for_inference
+    from eagle3.runtime.target import build_target
     _, ours = pair
-    packed = pack_for_inference(copy.deepcopy(ours))
+    packed = build_target(copy.deepcopy(ours))
     ids = torch.randint(0, 96, (1, 12), generator=torch.Generator().manual_seed(5))
     for model in (ours, packed):
         cache = model.new_cache(32)

@@ -14,7 +14,7 @@ from eagle3.models.layers import tree_block_mask
 from eagle3.speculative.decoder import SpecDecoder
 from eagle3.speculative.monitor import AcceptanceMonitor
 from eagle3.speculative.tree import SpecParams, build_tree
-from spec_helpers import (StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
+from spec_helpers import (OracleLayout, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
                           plain_greedy, spec_engine, tiny_draft, tiny_target)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -293,12 +293,12 @@ def test_bf16_weights_stay_close_to_fp32():
     import tempfile
     from pathlib import Path
 
-    from eagle3.models.packed import pack_for_inference
+    from eagle3.runtime.target import build_target
     from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
     with tempfile.TemporaryDirectory() as tmp:
         target = native_from_hf(hf_model_from_dict(FAMILIES["llama3"]), Path(tmp))
-    fp32 = pack_for_inference(copy.deepcopy(target))
-    bf16 = pack_for_inference(copy.deepcopy(target), torch.bfloat16)
+    fp32 = build_target(copy.deepcopy(target))
+    bf16 = build_target(copy.deepcopy(target), torch.bfloat16)
     ids = torch.randint(0, 96, (1, 16), generator=torch.Generator().manual_seed(0))
     ref = fp32(ids, torch.arange(16), fp32.new_cache(32)).logits
     low = bf16(ids, torch.arange(16), bf16.new_cache(32)).logits
@@ -331,9 +331,9 @@ def test_bf16_target_verify_equals_decode_bit_for_bit():
     oneDNN's one-row kernel), so this catches a regression."""
     import copy
 
-    from eagle3.models.packed import pack_for_inference
+    from eagle3.runtime.target import build_target
     base = tiny_target(2, vocab=64, std=0.15, hidden=64, intermediate=1536)
-    model = pack_for_inference(copy.deepcopy(base), torch.bfloat16, row_stable=True)
+    model = build_target(copy.deepcopy(base), torch.bfloat16, row_stable=True)
     prefix = torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(1))
     parents = torch.tensor([-1, 0, 0, 1, 3, 2, 4, 6, 1])
     tree = build_tree(torch.tensor([4, 8, 1, 17, 3, 22, 5, 9, 40]), parents, 12, 5)
@@ -365,9 +365,9 @@ def test_bf16_draft_weights_keep_greedy_identity(target, reference):
     """The draft only proposes: packing it with bf16 weights changes proposals, never the output."""
     import copy
 
-    from eagle3.models.packed import pack_for_inference
+    from eagle3.draft.inference import build_draft_layout
     draft = oracle_draft(target, PROMPT + reference)
-    low = pack_for_inference(copy.deepcopy(draft), torch.bfloat16)
+    low = OracleLayout(build_draft_layout(copy.deepcopy(draft), torch.bfloat16), draft)
     for spec in (SpecParams.chain(4), SpecParams(3, 4, 10, 0.0)):
         result = spec_engine(target, low, spec).generate(prompt_ids=PROMPT, params=GREEDY)
         assert result.token_ids == reference

@@ -304,6 +304,10 @@ class HFTarget(nn.Module):
         return _child(self.decoder, EMBED_ATTRS)
 
     @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
     def lm_head(self) -> nn.Module:
         return self.lm.get_output_embeddings()
 

@@ -32,16 +32,18 @@ class Roofline:
                 f"({self.ratio_read:.2f}x against {self.read_gb_s:.1f} GB/s pure read)")
 
 
-def read_bytes_per_forward(model: torch.nn.Module) -> int:
-    """Weight bytes a one-token forward reads: every linear (at the dtype it runs in, packed or
-    not; a tied lm_head counts once as a linear) and every norm; embeddings read one row (0)."""
+def read_bytes_per_forward(model) -> int:
+    """Weight bytes a one-token forward reads: every linear (at the dtype it runs in, laid out
+    or not; a tied lm_head counts once as a linear) and every norm; embeddings read one row (0).
+    `model`: a reference nn.Module or an inference layout (runtime.target)."""
     from ..models.layers import RMSNorm
-    from ..models.packed import PackedLinear
+    if not isinstance(model, torch.nn.Module):   # an inference layout: its linears and norms
+        norms = [n for layer in model.layers for n in (layer.norm1, layer.norm2) if n is not None]
+        return (sum(l.weight_bytes() for l in model.linears)
+                + sum(n.weight.numel() * n.weight.element_size() for n in norms + [model.norm]))
     total = 0
     for m in model.modules():
-        if isinstance(m, PackedLinear):
-            total += m.out_features * m.in_features * m.weight_dtype.itemsize
-        elif isinstance(m, (torch.nn.Linear, RMSNorm)):
+        if isinstance(m, (torch.nn.Linear, RMSNorm)):
             total += m.weight.numel() * m.weight.element_size()
     return total
 
@@ -80,7 +82,7 @@ def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1
                      clock=time.perf_counter) -> float:
     """Median time of one forward of `tokens` new tokens on top of `context` cached tokens
     (tokens > 1: the cost of verifying a tree of that size, causal mask)."""
-    device = target.embed_tokens.weight.device
+    device = target.device
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, target.config.vocab_size, (1, context + tokens), generator=gen).to(device)
     cache = target.new_cache(context + tokens + 8)
@@ -102,7 +104,7 @@ def verify_costs(target, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16), conte
 
 def measure(target, weight_bytes: int, context: int = 200, mib: int = 256,
             clock=time.perf_counter) -> Roofline:
-    device = target.embed_tokens.weight.device
+    device = target.device
     copy_bw, read_bw = bandwidth(device, mib, clock=clock)
     fwd = decode_forward_s(target, context, clock=clock)
     bound = weight_bytes / (copy_bw * 1e9)

@@ -129,21 +129,21 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     warm = warmup_prompt(tokenizer)
     b = Builder()
     engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))
-    device = str(engine.target.embed_tokens.weight.device)
+    device = str(engine.target.device)
     log(f"target {src.name} on {device}, draft: {no_draft or 'loaded'}")
     if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
         from .llamacpp import build_eagle3                       # converts the unpacked draft
         b.add("llama.cpp-eagle3", lambda: build_eagle3(
             engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
             cfg.threads, cfg.max_model_len))
-    shapes = add_ours(cfg, b, engine, no_draft)
-    weight_bytes = read_bytes_per_forward(engine.target)         # as packed (fp32 or bf16)
+    shapes, target = add_ours(cfg, b, engine, no_draft)
+    weight_bytes = read_bytes_per_forward(target)                # as laid out (fp32 or bf16)
     add_peers(cfg, b, src, device)
     systems = sorted((s for s in b.systems if wanted(cfg, s.name)), key=lambda s: ORDER.index(
         "ours-spec" if s.name.startswith(("ours-chain", "ours-tree")) else s.name))
     depths = {name: spec.depth for name, spec in shapes.items()}
     depths.update({s.name: cfg.chain_depth for s in systems if s.name == "llama.cpp-eagle3"})
-    return Setup(systems, b.skipped, prompts, warm, stop_ids_of(engine), depths, engine.target,
+    return Setup(systems, b.skipped, prompts, warm, stop_ids_of(engine), depths, target,
                  weight_bytes, b.load_rss_mb)
 
 
@@ -168,17 +168,17 @@ def stop_ids_of(engine) -> tuple[int, ...]:
     return tuple(sorted(engine.eos_ids))
 
 
-def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]) -> dict[str, SpecParams]:
-    """Pack for the CPU (as load_engine does), then ours-plain and the chain and tree shapes."""
-    from ..api import pack_engine_weights
+def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]):
+    """The inference layouts (as load_engine builds them), then ours-plain and the chain and tree
+    shapes; (shapes, the target's layout)."""
+    from ..api import build_layouts
     before = rss_bytes()
-    pack_engine_weights(engine.target, engine.draft, engine.target.embed_tokens.weight.device,
-                        cfg.weights, cfg.draft_weights)
+    target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights)
     shapes = spec_shapes(cfg) if engine.draft is not None else {}
-    b.systems += build_ours(engine, shapes)
+    b.systems += build_ours(target, draft, engine.tokenizer, engine.max_model_len, shapes)
     b.load_rss_mb["ours"] += (rss_bytes() - before) / 2**20
     b.skipped += [(n, no_draft) for n in spec_shapes(cfg) if engine.draft is None]
-    return shapes
+    return shapes, target
 
 
 def add_peers(cfg: BenchConfig, b: Builder, src, device: str) -> None:

@@ -89,7 +89,7 @@ class OursSystem:
 
     def __init__(self, name: str, engine: Engine, speculative: bool):
         self.name, self.engine, self.speculative = name, engine, speculative
-        self.device = str(engine.target.embed_tokens.weight.device)
+        self.device = str(engine.target.device)
         self.spec = engine.spec if speculative else None
 
     def sampling(self, params: GenParams) -> SamplingParams:
@@ -117,14 +117,14 @@ class OursSystem:
                          extra={"proposed": sum(s.proposed for s in res.decode_steps)})
 
 
-def build_ours(engine: Engine, shapes: dict[str, object]) -> list[OursSystem]:
-    """ours-plain on the engine's target, and one speculative system per named SpecParams. Each
-    gets a new Engine: its caches are made after packing (a row-stable target's cache is fp64)."""
-    plain = Engine(engine.target, engine.tokenizer, max_model_len=engine.max_model_len)
+def build_ours(target, draft, tokenizer, max_model_len: int,
+               shapes: dict[str, object]) -> list[OursSystem]:
+    """ours-plain on `target` (an inference layout), and one speculative system per named
+    SpecParams, each on its own Engine (and caches)."""
+    plain = Engine(target, tokenizer, max_model_len=max_model_len)
     systems = [OursSystem("ours-plain", plain, speculative=False)]
     for name, spec in shapes.items():
-        shaped = Engine(engine.target, engine.tokenizer, draft=engine.draft, spec=spec,
-                        max_model_len=engine.max_model_len)
+        shaped = Engine(target, tokenizer, draft=draft, spec=spec, max_model_len=max_model_len)
         systems.append(OursSystem(name, shaped, speculative=True))
     return systems
 

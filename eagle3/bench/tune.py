@@ -69,7 +69,8 @@ def tune(cfg: BenchConfig, setup: Setup, shapes: tuple[SpecParams, ...], progres
     from tqdm import tqdm
     base = next(s for s in setup.systems if isinstance(s, OursSystem) and s.speculative)
     named = {f"shape{i}": spec for i, spec in enumerate(shapes)}
-    systems = build_ours(base.engine, named)
+    e = base.engine
+    systems = build_ours(e.target, e.draft, e.tokenizer, e.max_model_len, named)
     for s in systems:
         s.warmup(setup.warm, gen_params(cfg, setup, 0.0, setup.warm, 16))
     runs: dict[str, list] = {s.name: [] for s in systems}

@@ -92,16 +92,18 @@ class Eagle3Layer(nn.Module):
     def attn_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
 
-    fused = None        # models.packed.fuse_layer: the layer in one kernel call (frozen CPU drafts)
-    fused_rows = 0
-
     def forward(self, emb, hidden, cos, sin, k_buf, v_buf, start, mask):
         x = self.attn_input(emb, hidden)
-        if self.fused is not None and hidden.shape[0] * hidden.shape[1] <= self.fused_rows and (
-                x.dtype == k_buf.dtype == torch.float32 and x.device.type == "cpu"):
-            return self.fused(hidden.contiguous(), x, cos, sin, k_buf, v_buf, start, mask)
         h = hidden + self.self_attn(x, cos, sin, k_buf, v_buf, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
+
+
+def block_mask(cache: KVCache, seq: int, attn_mask: Optional[torch.Tensor],
+               device: torch.device) -> Optional[torch.Tensor]:
+    """The caller's mask, or plain causal for a block of several tokens."""
+    if attn_mask is None and seq > 1:
+        return causal_block_mask(cache.length, seq, device)
+    return attn_mask
 
 
 class DraftBase(nn.Module):
@@ -127,6 +129,10 @@ class DraftBase(nn.Module):
                                 "hidden size; pair it with its own target")
         self.embed_tokens.weight = nn.Parameter(weight, requires_grad=False)
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(1, self.config.num_kv_heads, self.config.head_dim, max_len, batch,
@@ -145,16 +151,19 @@ class DraftBase(nn.Module):
                 f"with algorithm {cfg.algorithm.upper()} and capture layers "
                 f"{list(cfg.aux_layer_ids) or 'none'} from its own target")
 
-    def _select(self, features: Optional[torch.Tensor], hidden: Optional[torch.Tensor]):
+    def check_inputs(self, features: Optional[torch.Tensor], hidden: Optional[torch.Tensor]) -> None:
+        """Exactly one of features= / hidden=, each of its contracted width."""
         if (features is None) == (hidden is None):
             raise ValueError("pass exactly one of features= (from the target) or hidden= (draft's own)")
         if features is not None:
             self.check_features(features)
-            return self.fuse(features)
-        if hidden.shape[-1] != self.config.hidden_size:
+        elif hidden.shape[-1] != self.config.hidden_size:
             raise ContractError("draft hidden width", hidden.shape[-1], self.config.hidden_size,
                                 "hidden= takes the draft's own previous output")
-        return hidden
+
+    def _select(self, features: Optional[torch.Tensor], hidden: Optional[torch.Tensor]):
+        self.check_inputs(features, hidden)
+        return self.fuse(features) if features is not None else hidden
 
     def _logits(self, h: torch.Tensor, logits_rows) -> Optional[torch.Tensor]:
         if logits_rows is not None:
@@ -162,11 +171,6 @@ class DraftBase(nn.Module):
                 return None
             h = h[:, logits_rows]
         return self.head(h)
-
-    def _mask(self, cache: KVCache, seq: int, attn_mask, device) -> Optional[torch.Tensor]:
-        if attn_mask is None and seq > 1:
-            return causal_block_mask(cache.length, seq, device)
-        return attn_mask
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, *,
                 features: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
@@ -180,7 +184,7 @@ class DraftBase(nn.Module):
             positions = positions[None].expand(bsz, seq)
         h = self._select(features, hidden)
         cache.check_room(seq)
-        mask = self._mask(cache, seq, attn_mask, input_ids.device)
+        mask = block_mask(cache, seq, attn_mask, input_ids.device)
         cos, sin = self.rotary(positions)
         k_buf, v_buf = cache.layer(0)
         out = self.layer_forward(self.embed_tokens(input_ids), h, cos, sin, k_buf, v_buf,

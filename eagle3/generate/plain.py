@@ -16,7 +16,7 @@ class PlainDecoder:
 
     def __init__(self, target: LlamaModel, cache: KVCache, params: SamplingParams):
         self.target, self.cache, self.params = target, cache, params
-        self.device = target.embed_tokens.weight.device
+        self.device = target.device
         self.gen = params.generator(self.device)
         self.next_token: torch.Tensor = torch.empty(0)
         self.pos = 0

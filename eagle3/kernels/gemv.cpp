@@ -454,13 +454,17 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& packed,
 // h [B, T, H] fp32 contiguous -> the layer's output [B, T, H]. w: norm1, qkv, o, norm2, gate_up,
 // down (packed), with optional qkv and o biases. x_in: the attention's input when it is not
 // norm1(h) (an EAGLE-3 midlayer reads cat(norm(embedding), norm(hidden)) and adds to hidden).
-torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, torch::Tensor norm1, torch::Tensor qkv_w,
-                            c10::optional<torch::Tensor> qkv_b, torch::Tensor o_w,
-                            c10::optional<torch::Tensor> o_b, torch::Tensor norm2, torch::Tensor gu_w,
-                            torch::Tensor down_w, torch::Tensor cos, torch::Tensor sin,
-                            torch::Tensor k_buf, torch::Tensor v_buf, int64_t start,
-                            c10::optional<torch::Tensor> mask, double eps1, double eps2, int64_t Hq,
-                            int64_t Hkv, int64_t intermediate, bool bf16) {
+struct LayerWeights {
+  torch::Tensor norm1, qkv_w, o_w, norm2, gate_up_w, down_w;   // packed linears (pack_weight)
+  c10::optional<torch::Tensor> qkv_b, o_b;
+  double eps1 = 0, eps2 = 0;
+  int64_t num_heads = 0, num_kv_heads = 0, intermediate = 0;
+  bool bf16 = false;
+};
+
+torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, const LayerWeights& w,
+                            torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf, torch::Tensor v_buf,
+                            int64_t start, c10::optional<torch::Tensor> mask) {
   expect(h, "h", torch::kFloat32);
   TORCH_CHECK(h.dim() == 3 && h.is_contiguous(), "h must be contiguous [B, T, H], got ", h.sizes());
   TORCH_CHECK(k_buf.dim() == 4, "k_buf must be [B, Hkv, S, D], got ", k_buf.sizes());
@@ -472,20 +476,20 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
   }
   TORCH_CHECK(cos.dim() == 4 && cos.size(0) == B && cos.size(2) == T,
               "cos ", cos.sizes(), " must be [B, 1, T, D] with h's B, T = ", B, ", ", T);
-  const int64_t end = start + T;
-  auto x = x_in ? *x_in : rms_norm(h, norm1, eps1);
-  auto qkv = linear_any(x, qkv_w, qkv_b, (Hq + 2 * Hkv) * D, bf16);
+  const int64_t end = start + T, Hq = w.num_heads, Hkv = w.num_kv_heads, I = w.intermediate;
+  auto x = x_in ? *x_in : rms_norm(h, w.norm1, w.eps1);
+  auto qkv = linear_any(x, w.qkv_w, w.qkv_b, (Hq + 2 * Hkv) * D, w.bf16);
   auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
   c10::optional<torch::Tensor> m;
   if (mask) m = mask->contiguous();
   auto a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
-  auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), o_w, o_b, H, bf16);
+  auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), w.o_w, w.o_b, H, w.bf16);
   h = h + o.view({B, T, H});
-  x = rms_norm(h, norm2, eps2);
-  auto gu = linear_any(x, gu_w, c10::nullopt, 2 * intermediate, bf16).view({B, T, 2 * intermediate});
+  x = rms_norm(h, w.norm2, w.eps2);
+  auto gu = linear_any(x, w.gate_up_w, c10::nullopt, 2 * I, w.bf16).view({B, T, 2 * I});
   auto parts = gu.chunk(2, -1);
   auto act = at::silu(parts[0]) * parts[1];
-  auto d = linear_any(act, down_w, c10::nullopt, H, bf16);
+  auto d = linear_any(act, w.down_w, c10::nullopt, H, w.bf16);
   return h + d.view({B, T, H});
 }
 
@@ -508,7 +512,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
   m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32");
-  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer on the kernels (bits of the Python path)");
+  py::class_<LayerWeights>(m, "LayerWeights", "one decoder layer's packed weights and shapes")
+      .def(py::init([](torch::Tensor norm1, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
+                       torch::Tensor o_w, c10::optional<torch::Tensor> o_b, torch::Tensor norm2,
+                       torch::Tensor gate_up_w, torch::Tensor down_w, double eps1, double eps2,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t intermediate, bool bf16) {
+             return LayerWeights{norm1, qkv_w, o_w, norm2, gate_up_w, down_w, qkv_b, o_b,
+                                 eps1, eps2, num_heads, num_kv_heads, intermediate, bf16};
+           }),
+           py::kw_only(), py::arg("norm1"), py::arg("qkv_w"), py::arg("qkv_b"), py::arg("o_w"),
+           py::arg("o_b"), py::arg("norm2"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("eps1"),
+           py::arg("eps2"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("intermediate"),
+           py::arg("bf16"));
+  m.def("decoder_layer", &decoder_layer, "one Llama decoder layer on the kernels (bits of the Python path)",
+        py::arg("h"), py::arg("x_in"), py::arg("weights"), py::arg("cos"), py::arg("sin"),
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("mask"));
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");
   m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32");
 }

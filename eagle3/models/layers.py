@@ -15,18 +15,12 @@ from .config import RopeConfig
 
 
 class RMSNorm(nn.Module):
-    """`fused` (set by models.packed for frozen CPU models): eagle3.kernels' one-pass norm."""
-
-    fused = None
-
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.dtype == torch.float32:
-            return self.fused(x.contiguous(), self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -75,50 +69,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def row_stable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """Attention whose result for a query row does not depend on the other rows of the call.
-
-    q [B, H, T, D] fp32; k/v [B, Hkv, S, D] (fp64 caches skip a conversion); mask None, bool
-    (True = may attend) or additive float, broadcastable to [B, 1, T, S]. SDPA's CPU kernels and
-    fp32 GEMMs pick their blocking by the number of query rows, so a token's output in an 8-token
-    verify block differs in the last bits from the same token decoded alone. Here scores, softmax
-    and the weighted sum run in fp64 and round to fp32 once at the end: reordering a sum of fp64
-    terms moves it by ~1e-16, which survives the rounding to fp32 with negligible probability.
-    With bf16 GEMM weights (where any input bit flips a bf16 rounding and the difference grows
-    layer by layer) this keeps verify and decode bit-identical. Costs ~2x SDPA's time.
-    """
-    b, h, t, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    g = h // hkv                                   # query heads per KV head (GQA): rows g*t
-    qd = (q.double() * (1.0 / math.sqrt(d))).reshape(b, hkv, g * t, d)
-    scores = torch.matmul(qd, k.double().transpose(-1, -2))                 # [B, Hkv, g*T, S]
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            mask = additive_mask(mask)
-        # rows are (head in group, query): the [B|1, 1, T, S] mask broadcasts over both head axes
-        scores.view(b, hkv, g, t, s).add_(mask.to(torch.float64).unsqueeze(2))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v.double())
-    return out.view(b, h, t, d).float()
-
-
-def additive_mask(mask: torch.Tensor) -> torch.Tensor:
-    """bool (True = may attend) -> fp64 0 / -inf."""
-    return torch.zeros(mask.shape, dtype=torch.float64, device=mask.device).masked_fill_(
-        ~mask, float("-inf"))
-
-
 class Attention(nn.Module):
-    """GQA self-attention whose keys/values live in a caller-owned static cache buffer.
+    """GQA self-attention whose keys/values live in a caller-owned static cache buffer (SDPA).
 
-    `row_stable` (set by models.packed for low-precision weights) swaps SDPA for
-    row_stable_attention, or for `fused` (eagle3.kernels' fp32 row-stable attention) where the
-    CPU has it; a plain target uses `fused` for small blocks (decode, verify) and SDPA for prefill. `fused_rope` does split, rotary and the cache write of a fused qkv in one call."""
-
-    row_stable = False
-    fused = None
-    fused_rows = 0      # without row_stable, `fused` serves blocks up to this many queries (SDPA above)
-    fused_rope = None   # eagle3.kernels.rope_qkv (set by models.packed on CPUs that have it)
+    The reference and training path; the inference layout (runtime.layer) reads these weights."""
 
     def __init__(self, hidden_in: int, hidden_out: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, qkv_bias: bool = False, o_bias: bool = False,
@@ -133,9 +87,6 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps is not None else None
 
     def project_qkv(self, x: torch.Tensor):
-        if hasattr(self, "qkv"):  # fused by models.packed.pack_for_inference
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            return self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -144,13 +95,7 @@ class Attention(nn.Module):
         # x [B, T, hidden_in]; k_buf/v_buf [B, kv_heads, S, D]; mask bool [B|1, 1, T, start+T] or None
         bsz, seq, _ = x.shape
         end = start + seq
-        if (self.fused_rope is not None and hasattr(self, "qkv") and self.q_norm is None
-                and x.dtype == k_buf.dtype == torch.float32 and x.device.type == "cpu"):
-            # one kernel for split, rotary, cache write and the q layout, same bits as below
-            q = self.fused_rope(self.qkv(x).view(bsz * seq, -1), cos, sin, k_buf, v_buf, start,
-                                self.num_heads, self.num_kv_heads)
-        else:
-            q = self._rotate_and_cache(x, cos, sin, k_buf, v_buf, start)
+        q = self._rotate_and_cache(x, cos, sin, k_buf, v_buf, start)
         return self.o_proj(self.attend(q, k_buf, v_buf, end, mask).transpose(1, 2).reshape(bsz, seq, -1))
 
     def _rotate_and_cache(self, x, cos, sin, k_buf, v_buf, start: int) -> torch.Tensor:
@@ -170,13 +115,6 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, end: int,
                mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(q k^T) v over the cache prefix [:end]: q [B, H, T, D] -> [B, H, T, D]."""
-        if self.fused is not None and (self.row_stable or (
-                q.shape[2] <= self.fused_rows and q.dtype == k_buf.dtype == torch.float32
-                and q.device.type == "cpu" and (mask is None or mask.dtype == torch.bool))):
-            return self.fused(q.contiguous(), k_buf[:, :, :end], v_buf[:, :, :end],
-                              None if mask is None else mask.contiguous())
-        if self.row_stable:
-            return row_stable_attention(q, k_buf[:, :, :end], v_buf[:, :, :end], mask)
         return F.scaled_dot_product_attention(
             q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask=mask,
             enable_gqa=self.num_kv_heads != self.num_heads)
@@ -190,9 +128,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if hasattr(self, "gate_up"):  # fused by models.packed.pack_for_inference
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 

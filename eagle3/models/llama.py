@@ -14,7 +14,7 @@ from torch import nn
 
 from .kv_cache import KVCache
 from .config import ModelConfig, check_capture_ids
-from .layers import MLP, Attention, RMSNorm, Rotary, additive_mask, causal_block_mask
+from .layers import MLP, Attention, RMSNorm, Rotary, causal_block_mask
 
 
 class ForwardOutput(NamedTuple):
@@ -33,24 +33,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    fused = None        # models.packed.fused_layer: the whole layer in one kernel call
-    fused_rows = 0      # ... for blocks of up to this many rows
-
     def forward(self, h, cos, sin, k_buf, v_buf, start, mask):
-        if self.fused is not None and h.shape[0] * h.shape[1] <= self.fused_rows and (
-                h.dtype == k_buf.dtype == torch.float32 and h.device.type == "cpu"):
-            return self.fused(h.contiguous(), None, cos, sin, k_buf, v_buf, start, mask)
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_buf, v_buf, start, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
-    """Target model. Weight names follow HF (`model.layers.N.self_attn.q_proj.weight`, ...).
-
-    kv_dtype: the cache dtype when it is not the weights' (models.packed sets fp64 for a
-    row-stable target, whose attention runs in fp64)."""
-
-    kv_dtype: Optional[torch.dtype] = None
+    """Target model, the reference and training path (runtime.target builds the inference layout
+    from its weights and never modifies it). Weight names follow HF
+    (`model.layers.N.self_attn.q_proj.weight`, ...)."""
 
     def __init__(self, cfg: ModelConfig, max_position: Optional[int] = None):
         super().__init__()
@@ -64,10 +55,14 @@ class LlamaModel(nn.Module):
         self.rotary = Rotary(cfg.rope, cfg.head_dim, max_position or cfg.max_position)
 
     # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         p = self.embed_tokens.weight
         return KVCache(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                       max_len, batch, self.kv_dtype or p.dtype, p.device)
+                       max_len, batch, p.dtype, p.device)
 
     def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
         check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
@@ -94,8 +89,6 @@ class LlamaModel(nn.Module):
         cache.check_room(seq)
         if attn_mask is None and seq > 1:
             attn_mask = causal_block_mask(start, seq, input_ids.device)
-        if attn_mask is not None and self.kv_dtype == torch.float64 and attn_mask.dtype == torch.bool:
-            attn_mask = additive_mask(attn_mask)         # once, not in each row-stable layer
         capture = set(capture_ids)
         if capture:
             self.check_capture_ids(capture_ids)

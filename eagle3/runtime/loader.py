@@ -25,7 +25,6 @@ from ..errors import LoadError
 from ..paths import cache_root
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
-from ..models.packed import pack_for_inference
 from .assets import DEFAULT_MODEL, default_target_gguf
 
 # checkpoint key prefix -> module key prefix; keys matching IGNORED are derived buffers.
@@ -169,10 +168,9 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 
 
 def load_model(hf_dir: Path, device: str | torch.device = "cpu",
-               dtype: torch.dtype = torch.float32, max_position: Optional[int] = None,
-               pack: bool = False) -> LlamaModel:
-    """Strictly load an HF directory into the native model. `pack`: fuse and prepack the weights
-    for fast inference (models.packed); the result is frozen and has no per-projection weights."""
+               dtype: torch.dtype = torch.float32, max_position: Optional[int] = None) -> LlamaModel:
+    """Strictly load an HF directory into the native (reference) model, frozen; the inference
+    layout is built from it by runtime.target.build_target."""
     cfg = ModelConfig.from_hf(read_hf_config(hf_dir))
     with torch.device("meta"):
         model = LlamaModel(cfg, max_position)
@@ -183,7 +181,7 @@ def load_model(hf_dir: Path, device: str | torch.device = "cpu",
         model.lm_head.weight = model.embed_tokens.weight
     load_state_strict(model, read_safetensors(checkpoint_files(hf_dir)))
     model.eval().requires_grad_(False)
-    return pack_for_inference(model) if pack else model
+    return model
 
 
 def load_tokenizer(hf_dir: Path):

@@ -56,7 +56,7 @@ class SpecDecoder:
                                 "this draft was trained for a target with another vocabulary; "
                                 "use the draft made for this target")
         self.capture_ids = tuple(cfg.aux_layer_ids) if cfg.algorithm == "eagle3" else ()
-        self.device = target.embed_tokens.weight.device
+        self.device = target.device
         self.gen = params.generator(self.device)
         self.eye = torch.eye(self.spec.top_k, dtype=torch.bool, device=self.device)
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)

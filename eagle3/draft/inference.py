@@ -1,0 +1,101 @@
+"""InferenceDraft: an EAGLE-3 or EAGLE-1/2 draft rebuilt once for fast drafting (the inference layout).
+
+The draft modules (draft.model) train and stay the reference; `build_draft_layout(draft, ...)` reads
+their weights into this object (fc, lm_head and the layer's projections in PackedLinears, the layer as
+a runtime FastLayer on a backend chosen once) and leaves the module as it is. Same call contract as
+DraftBase.forward, and the same feature-width contract, checked on every call by the module's own
+check_features.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..models.kv_cache import KVCache
+from ..runtime.backend import Backend, choose_backend
+from ..runtime.layer import FastLayer, norm_of
+from ..runtime.linear import PackedLinear
+from .model import DraftBase, DraftConfig, DraftOutput, Eagle3Draft, block_mask
+
+
+class InferenceDraft:
+    def __init__(self, draft: DraftBase, backend: Backend):
+        self.reference = draft                         # config, vocabulary maps, contract checks
+        self.config: DraftConfig = draft.config
+        self.backend = backend
+        self.embed_tokens = draft.embed_tokens
+        self.cos, self.sin = draft.rotary.cos, draft.rotary.sin
+        self.eagle3 = isinstance(draft, Eagle3Draft)
+        fc_bias = None if self.eagle3 else draft.fc.bias
+        self.fc = PackedLinear(draft.fc.weight, fc_bias, backend)
+        self.lm_head = PackedLinear(draft.lm_head.weight, None, backend)
+        if self.eagle3:
+            mid = draft.midlayer
+            self.input_norm, self.hidden_norm = norm_of(mid.input_layernorm), norm_of(mid.hidden_norm)
+            self.norm = norm_of(draft.norm)
+            self.layer = FastLayer(mid.self_attn, mid.mlp, None, mid.post_attention_layernorm, backend)
+        else:
+            layer = draft.layers[0]
+            self.layer = FastLayer(layer.self_attn, layer.mlp, None, layer.post_attention_layernorm, backend)
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def linears(self) -> list[PackedLinear]:
+        return [self.fc, *self.layer.linears, self.lm_head]
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache(1, cfg.num_kv_heads, cfg.head_dim, max_len, batch, torch.float32, self.device)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return self.reference.to_target_ids(draft_ids)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, *,
+                 features: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
+                 attn_mask: Optional[torch.Tensor] = None,
+                 logits_rows: Optional[torch.Tensor | slice] = None) -> DraftOutput:
+        """As DraftBase.forward: one draft forward over a block [B, T], KV appended at cache.length."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        bsz, seq = input_ids.shape
+        if positions.dim() == 1:
+            positions = positions[None].expand(bsz, seq)
+        self.reference.check_inputs(features, hidden)
+        h = hidden if features is None else (self.fc(features) if self.eagle3 else features)
+        cache.check_room(seq)
+        mask = block_mask(cache, seq, attn_mask, input_ids.device)
+        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        k_buf, v_buf = cache.layer(0)
+        emb = self.embed_tokens(input_ids)
+        if self.eagle3:
+            rms = self.backend.rms_norm
+            x_in = torch.cat([rms(emb, *self.input_norm), rms(h, *self.hidden_norm)], dim=-1)
+            out = self.layer(h, x_in, cos, sin, k_buf, v_buf, cache.length, mask)
+        else:
+            out = self.layer(self.fc(torch.cat([emb, h], dim=-1)), None, cos, sin, k_buf, v_buf,
+                             cache.length, mask)
+        cache.advance(seq)
+        return DraftOutput(self._logits(out, logits_rows), out)
+
+    def _logits(self, h: torch.Tensor, logits_rows) -> Optional[torch.Tensor]:
+        if logits_rows is not None:
+            if isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0:
+                return None
+            h = h[:, logits_rows]
+        if self.eagle3:
+            h = self.backend.rms_norm(h, *self.norm)
+        return self.lm_head(h)
+
+    forward = __call__
+
+
+def build_draft_layout(draft: DraftBase, weight_dtype: torch.dtype = torch.float32,
+                       backend: Optional[Backend] = None) -> InferenceDraft:
+    """The inference layout of `draft` (left as it is): GEMM weights in `weight_dtype`."""
+    device = draft.embed_tokens.weight.device
+    return InferenceDraft(draft, backend or choose_backend(device, weight_dtype))

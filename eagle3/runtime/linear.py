@@ -1,0 +1,80 @@
+"""PackedLinear: y = x W^T + b with the weight stored once in each layout its backend calls.
+
+Measured (SmolLM2 shapes, 2 threads; scripts/bench_kernels.py, docs/bench.md): the eagle3 small-M
+kernel is ~1.6-2x oneDNN's speed for 1-8 rows and ~1.1-1.3x at 16-32, oneDNN with a prepacked weight
+beats torch's x @ W.T from 2 rows on, and torch's GEMV over an [in, out] weight is fine for one row
+on one thread. Verify forwards have several rows, decode forwards one, so a PackedLinear keeps the
+layouts its backend needs and picks by rows: blocks of up to `backend.kernel_rows` rows go to the
+kernel (every row's result independent of the block: a row-stable target sends every verify block
+there), the rest to oneDNN. bf16 weights take fp32 activations in and out.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import kernels
+from .backend import Backend, onednn_available
+
+PACK_ROWS_HINT = 8
+
+
+class PackedLinear:
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], backend: Backend):
+        weight = weight.detach()
+        self.out_features, self.in_features = weight.shape
+        self.weight_dtype = backend.weight_dtype
+        self.bias = None if bias is None else bias.detach().float().clone()
+        self.torch_weight = weight if backend.name == "torch" else None
+        self.small = None              # the small-M kernel, where this backend and dtype have one
+        if backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
+            self.small = kernels.small_linear(self.weight_dtype)
+        self.small_rows = backend.kernel_rows if self.small is not None else 0
+        self.small_weight = kernels.pack_weight(weight, self.weight_dtype) if self.small else None
+        self.onednn = None
+        if backend.name != "torch" and onednn_available():
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(
+                weight.contiguous().to(self.weight_dtype), PACK_ROWS_HINT)
+        # [in, out] fp32 GEMV for one-row calls on one thread (and CPUs without oneDNN)
+        self.weight_t = None
+        if backend.name != "torch" and self.weight_dtype == torch.float32 and not (self.small and self.onednn is not None):
+            self.weight_t = weight.t().contiguous()
+
+    @property
+    def kernel_ready(self) -> bool:
+        return self.small is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows <= self.small_rows:
+            flat = x.reshape(rows, self.in_features).to(self.weight_dtype).contiguous()
+            y = self.small(flat, self.small_weight, self.bias, self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.torch_weight is not None:
+            return F.linear(x, self.torch_weight, self.bias)
+        if self.weight_dtype != torch.float32:  # low-precision weights, fp32 activations in and out
+            flat = x.reshape(rows, self.in_features).to(self.weight_dtype)
+            if rows == 1:  # oneDNN's one-row kernel rounds differently: run it as two rows
+                flat = torch.cat([flat, flat])
+            y = torch.ops.mkldnn._linear_pointwise(flat, self.onednn, None, "none", [], "")[:rows].float()
+            y = y if self.bias is None else y + self.bias
+            return y.view(*x.shape[:-1], self.out_features)
+        if self.onednn is None or (rows == 1 and torch.get_num_threads() == 1 and self.weight_t is not None):
+            y = x @ self.weight_t
+            return y if self.bias is None else y + self.bias
+        flat = x.reshape(rows, self.in_features)
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.onednn, self.bias, "none", [], "")
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def weight_bytes(self) -> int:
+        """Bytes of weight one call reads (the layout a decode step uses)."""
+        return self.out_features * self.in_features * self.weight_dtype.itemsize
+
+
+def fused_linear(weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
+                 backend: Backend) -> PackedLinear:
+    """One PackedLinear over concatenated outputs (q/k/v, gate/up)."""
+    bias = torch.cat(biases) if biases[0] is not None else None
+    return PackedLinear(torch.cat(weights, dim=0), bias, backend)

@@ -1,0 +1,102 @@
+"""InferenceTarget: a Llama-family target rebuilt once for fast decoding (the inference layout).
+
+models.llama.LlamaModel stays the reference and training model; `build_target(model, ...)` reads its
+weights into this separate object (fused projections in PackedLinears, one FastLayer per decoder
+layer, a backend chosen once: runtime.backend) and never modifies the model. Same forward contract as
+LlamaModel (models.target.Target), so the decoders take either.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from ..models.config import ModelConfig, check_capture_ids
+from ..models.kv_cache import KVCache
+from ..models.layers import causal_block_mask
+from ..models.llama import ForwardOutput, LlamaModel
+from .backend import Backend, choose_backend
+from .layer import FastLayer, norm_of
+from .linear import PackedLinear
+
+
+class InferenceTarget:
+    def __init__(self, model: LlamaModel, backend: Backend):
+        self.config: ModelConfig = model.config
+        self.backend = backend
+        self.embed_tokens = model.embed_tokens          # shared, read only (a lookup)
+        self.cos, self.sin = model.rotary.cos, model.rotary.sin
+        self.layers = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend)
+                       for l in model.layers]
+        self.norm = norm_of(model.norm)
+        self.lm_head = PackedLinear(model.lm_head.weight, None, backend)
+
+    @property
+    def device(self) -> torch.device:
+        return self.backend.device
+
+    @property
+    def linears(self) -> list[PackedLinear]:
+        return [l for layer in self.layers for l in layer.linears] + [self.lm_head]
+
+    def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
+        cfg = self.config
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, batch,
+                       self.backend.kv_dtype, self.device)
+
+    def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
+        check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions [B, T] -> cos, sin [B, 1, T, D]
+        if positions.device.type == "cpu" and int(positions.max()) >= self.cos.shape[0]:
+            raise IndexError(f"position {int(positions.max())} >= rotary table size {self.cos.shape[0]}")
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 attn_mask: Optional[torch.Tensor] = None,
+                 logits_rows: Optional[torch.Tensor | slice] = None,
+                 capture_ids: Sequence[int] = ()) -> ForwardOutput:
+        """As LlamaModel.forward: a block [B, T] appended at cache.length, with feature capture."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        bsz, seq = input_ids.shape
+        if positions.dim() == 1:
+            positions = positions[None].expand(bsz, seq)
+        start = cache.length
+        cache.check_room(seq)
+        if attn_mask is None and seq > 1:
+            attn_mask = causal_block_mask(start, seq, input_ids.device)
+        attn_mask = self.backend.prepare_mask(attn_mask)
+        capture = set(capture_ids)
+        if capture:
+            self.check_capture_ids(capture_ids)
+        cos, sin = self.rotary(positions)
+        h = self.embed_tokens(input_ids)
+        feats = []
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                feats.append(h)
+            k_buf, v_buf = cache.layer(i)
+            h = layer(h, None, cos, sin, k_buf, v_buf, start, attn_mask)
+        cache.advance(seq)
+        hidden = self.backend.rms_norm(h, *self.norm)
+        logits = None
+        if logits_rows is None:
+            logits = self.lm_head(hidden)
+        elif not (isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0):
+            logits = self.lm_head(hidden[:, logits_rows])
+        aux = torch.cat(feats, dim=-1) if feats else None
+        return ForwardOutput(logits, hidden, aux)
+
+    forward = __call__
+
+
+def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,
+                 row_stable: bool = False, backend: Optional[Backend] = None) -> InferenceTarget:
+    """The inference layout of `model` (which is left as it is). weight_dtype=bf16 stores the GEMM
+    weights in bf16 (activations stay fp32); row_stable=True makes every op compute a row in one
+    fixed order whatever the block, so verify == one-token decode bit for bit (runtime.backend)."""
+    device = model.embed_tokens.weight.device
+    return InferenceTarget(model, backend or choose_backend(device, weight_dtype, row_stable))
