@@ -64,13 +64,14 @@ class GroupedDecoder:
 
 
 class GroupedEngine(Engine):
-    """An Engine that looks speculative to the server (draft set, spec depth) but decodes with
+    """An Engine that is speculative to the server (spec depth, monitor) but decodes with
     GroupedDecoder; `speculative=False` gives the plain reference."""
+
+    speculative = True
 
     def __init__(self, target, tok, max_model_len: int = 256, depth: int = 2, delay_s: float = 0.0):
         spec = SpecParams(top_k=1, depth=depth, num_draft_tokens=depth + 1)
         super().__init__(target, tok, spec=spec, max_model_len=max_model_len)
-        self.draft = "grouped-stand-in"
         self.delay_s = delay_s
         self.never_accept = False
 

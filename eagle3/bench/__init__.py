@@ -19,7 +19,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..cli import add_precision_args
+from ..cli_args import add_precision_args
 from ..errors import InputError
 from ..speculative.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,

@@ -131,7 +131,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))
     device = str(engine.target.device)
     log(f"target {src.name} on {device}, draft: {no_draft or 'loaded'}")
-    if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
+    if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.speculative:
         from .llamacpp import build_eagle3                       # converts the unpacked draft
         b.add("llama.cpp-eagle3", lambda: build_eagle3(
             engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
@@ -174,10 +174,10 @@ def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]):
     from ..api import build_layouts
     before = rss_bytes()
     target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights)
-    shapes = spec_shapes(cfg) if engine.draft is not None else {}
+    shapes = spec_shapes(cfg) if engine.speculative else {}
     b.systems += build_ours(target, draft, engine.tokenizer, engine.max_model_len, shapes)
     b.load_rss_mb["ours"] += (rss_bytes() - before) / 2**20
-    b.skipped += [(n, no_draft) for n in spec_shapes(cfg) if engine.draft is None]
+    b.skipped += [(n, no_draft) for n in spec_shapes(cfg) if not engine.speculative]
     return shapes, target
 
 

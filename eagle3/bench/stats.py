@@ -83,16 +83,13 @@ def ratios(records: list[Record], system: str, baseline: str, temperature: float
 
 def acceptance_per_position(records: list[Record], depth: int) -> list[float]:
     """Fraction of decode steps (pooled over prompts) accepting at least k draft tokens, k=1..depth."""
-    lens = [n for r in records for n in (r.accept_lens or [])]
-    if not lens:
-        return [0.0] * depth
-    return [sum(n >= k for n in lens) / len(lens) for k in range(1, depth + 1)]
+    return acceptance_stats([n for r in records for n in (r.accept_lens or [])], depth).per_position
 
 
 def tau_pooled(records: list[Record]) -> Optional[float]:
     """Tokens per target forward, pooled over every decode step (our systems)."""
     lens = [n for r in records for n in (r.accept_lens or [])]
-    return 1 + sum(lens) / len(lens) if lens else None
+    return acceptance_stats(lens).tau if lens else None
 
 
 def first_divergence(a: Sequence[int], b: Sequence[int]) -> Optional[int]:

@@ -32,9 +32,14 @@ class Engine:
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
         self.monitor = None
-        if draft is not None:
+        if self.speculative:
             from ..speculative.monitor import AcceptanceMonitor
             self.monitor = AcceptanceMonitor()
+
+    @property
+    def speculative(self) -> bool:
+        """True when a draft is attached (steps are speculative unless a call asks for plain)."""
+        return self.draft is not None
 
     # ------------------------------------------------------------------ entry points
     def encode(self, prompt: Optional[str] = None, messages: Optional[Sequence[dict]] = None,
@@ -67,7 +72,7 @@ class Engine:
                 "shorten the prompt or lower max_new_tokens")
 
     def make_decoder(self, params: SamplingParams, speculative: bool = True) -> Decoder:
-        if self.draft is None or not speculative:
+        if not (self.speculative and speculative):
             return PlainDecoder(self.target, self.cache, params)
         from ..speculative.decoder import SpecDecoder
         return SpecDecoder(self.target, self.draft, self.cache, self.draft_cache, params, self.spec)

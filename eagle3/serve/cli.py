@@ -6,7 +6,7 @@ import logging
 import os
 from typing import Optional, Sequence
 
-from ..cli import add_spec_args, spec_from_args
+from ..cli_args import add_spec_args, spec_from_args
 from ..errors import Eagle3Error
 from ..runtime.assets import DEFAULT_MODEL
 

@@ -1,0 +1,39 @@
+"""Argument groups shared by the entry points (eagle3 generate, serve, bench): one definition each."""
+from __future__ import annotations
+
+import argparse
+
+
+def add_spec_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft", default="default",
+                   help="draft checkpoint dir; 'default' = the shipped draft for the default model; "
+                        "'none' = plain decoding")
+    p.add_argument("--algorithm", choices=["eagle3", "eagle"], type=str.lower,
+                   help="assert the draft's algorithm (read from the checkpoint; a mismatch is an error)")
+    p.add_argument("--top-k", type=int, default=None, help="tree: children per node (1 = chain)")
+    p.add_argument("--depth", type=int, default=None, help="tree: draft forwards per step")
+    p.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tree: nodes verified per step, root included")
+    p.add_argument("--min-prob", type=float, default=None,
+                   help="tree: verify only draft tokens whose path probability under the draft is >= "
+                        "this (dynamic tree size; default 0.05; 0 = always --num-draft-tokens)")
+    add_precision_args(p)
+
+
+def add_precision_args(p: argparse.ArgumentParser) -> None:
+    """--weights / --draft-weights (generate, serve, bench)."""
+    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
+                   help="target GEMM weights on CPU: fp32 (matches HF transformers, default) or "
+                        "bf16 (faster with AVX512-BF16; a different model numerically, but verify "
+                        "and decode stay bit-identical, so speculation stays lossless)")
+    p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="draft GEMM weights on CPU (auto: bf16 where oneDNN supports it); the draft "
+                        "only proposes, so the output is the same either way")
+
+
+def spec_from_args(args: argparse.Namespace):
+    from .speculative.tree import SpecParams
+    base = SpecParams()
+    return SpecParams(top_k=args.top_k or base.top_k, depth=args.depth or base.depth,
+                      num_draft_tokens=args.num_draft_tokens or base.num_draft_tokens,
+                      min_prob=base.min_prob if args.min_prob is None else args.min_prob)
