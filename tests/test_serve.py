@@ -131,6 +131,20 @@ def test_seeded_sampling_equals_engine(client, reference):
     assert texts == [ref.text, ref.text]
 
 
+def test_tiny_temperature_is_greedy(client, reference):
+    """T = 1e-300 overflowed `logits / T` (500, or an error event mid-stream): it decodes greedily."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ref = reference.generate(messages=messages, params=greedy(12))
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                          temperature=1e-300)
+    assert resp.choices[0].message.content == ref.text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            temperature=1e-300, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 # ---------------------------------------------------------------------------- bad input
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 LONG_PROMPT = "word " * 400          # ~400 tokens > the 256-token context
