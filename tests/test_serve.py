@@ -5,7 +5,9 @@ plain engine's while the server sees drafted tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import socket
 import statistics
 import threading
 import time
@@ -193,6 +195,14 @@ BAD = [  # (name, method, path, body (dict -> JSON, bytes -> raw), headers, stat
     ("path traversal", "GET", "/static/../../etc/passwd", None, {}, 404),
     ("wrong method", "GET", "/v1/chat/completions", None, AUTH, 405),
     ("body too large", "POST", "/v1/completions", b"x" * (5 << 20), AUTH, 413),
+    ("json sent as text/plain", "POST", "/v1/chat/completions", json.dumps(GOOD).encode(),
+     {**AUTH, "Content-Type": "text/plain"}, 415),
+    ("form body", "POST", "/v1/completions", b"prompt=hi",
+     {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ("no content type", "POST", "/v1/completions", b'{"prompt": "a"}', {**AUTH, "Content-Type": ""},
+     415),
+    ("json in latin-1", "POST", "/v1/completions", b'{"prompt": "a"}',
+     {**AUTH, "Content-Type": "application/json; charset=latin-1"}, 415),
 ]
 
 
@@ -201,6 +211,8 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, client):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for name, method, path, body, headers, status in BAD:
             kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            if isinstance(body, bytes):
+                headers = {"Content-Type": "application/json", **headers}
             r = http.request(method, path, headers=headers, **({} if body is None else kw))
             assert r.status_code == status, (name, r.status_code, r.text[:300])
             err = r.json()["error"]
@@ -220,6 +232,21 @@ def test_errors_name_the_field(server):
     r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=30,
                    json={**GOOD, "max_tokens": 300})
     assert r.json()["error"]["param"] == "max_tokens" and "256" in r.json()["error"]["message"]
+
+
+def test_only_json_bodies_are_served(server):
+    """text/plain is a CORS "simple" request: without this check any web page could POST to the
+    server cross-origin without a preflight."""
+    body = json.dumps({**GOOD, "max_tokens": 1}).encode()
+    for ctype, status in [("text/plain", 415), ("text/plain; charset=utf-8", 415),
+                          ("application/json; charset=utf-8", 200),
+                          ('Application/JSON;charset="UTF-8"', 200)]:
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
+                       headers={**AUTH, "Content-Type": ctype})
+        assert r.status_code == status, (ctype, r.text[:200])
+        if status == 415:
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+            assert "application/json" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------- metrics, health
@@ -397,6 +424,79 @@ def test_full_queue_answers_503_with_retry_after(slow_server):
     http.close()
     t.join(timeout=30)
     assert queued["r"].status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_body_server(target):
+    """Bodies are limited to 64 KB."""
+    engine = GroupedEngine(target, tokenizer(), max_model_len=CTX)
+    app = create_app(engine, model_name=MODEL, max_body_bytes=64 << 10)
+    with RunningServer(app) as s:
+        yield s
+
+
+def raw_request(port: int, head: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(head.encode())
+    return sock
+
+
+def test_chunked_upload_answers_413_at_the_limit(small_body_server):
+    """No Content-Length: the server must stop at the limit, not read the whole upload first (a
+    400 MB chunked body grew the server by ~700 MB). The client sends just past the limit and then
+    waits without finishing the body: the 413 has to come anyway."""
+    sock = raw_request(small_body_server.port,
+                       "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                       "\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b"x" * (16 << 10)
+    for _ in range(5):                           # 80 KB > 64 KB; the terminating chunk never comes
+        sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+    sock.settimeout(5)
+    try:
+        reply = sock.recv(65536).decode("latin-1")
+    except socket.timeout:
+        reply = "(no answer within 5 s: the server is still waiting for the rest of the body)"
+    sock.close()
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert '"code":"body_too_large"' in reply.replace(" ", "")
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_disconnect_while_sending_the_body_is_quiet(small_body_server):
+    """A client that goes away mid-body got ~118 lines of tracebacks; now a quiet 499, counted."""
+    handler = Records()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "eagle3.serve")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    before = metrics(small_body_server.url)
+    try:
+        for _ in range(2):
+            sock = raw_request(small_body_server.port,
+                               "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n")
+            sock.sendall(b'{"messages": [{"role": "user", "content": "')
+            sock.close()
+        key = ("eagle3:requests_body_disconnected_total", ())
+        counted = wait_for(lambda: metrics(small_body_server.url).get(key, 0) - before.get(key, 0)
+                           == 2)
+        time.sleep(0.2)                      # any late traceback of the second request
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    noisy = [r.getMessage() for r in handler.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not noisy, noisy
+    assert counted
+    after = metrics(small_body_server.url)
+    status = ("eagle3:requests_total", (("endpoint", "chat"), ("status", "499")))
+    assert after.get(status, 0) - before.get(status, 0) == 2
 
 
 # ---------------------------------------------------------------------------- real speculation

@@ -28,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import Eagle3Error
 from ..generate import encode_prompt
@@ -132,17 +133,37 @@ class Server:
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
+    def check_content_type(self, request: Request) -> None:
+        """Only JSON bodies: a form or text/plain POST is a "simple" cross-origin request that any
+        web page can send without a CORS preflight, so accepting it would let pages use the server."""
+        given = request.headers.get("content-type", "")
+        media, charset = parse_content_type(given)
+        if media != "application/json" or charset not in ("utf-8", "utf8"):
+            raise APIError(415, f"Content-Type is {given or 'missing'!r}; send the body as "
+                                "'Content-Type: application/json' (UTF-8)",
+                           code="unsupported_media_type")
+
     async def read_body(self, request: Request) -> bytes:
+        """The body, read as it arrives: 413 as soon as it passes the limit (a chunked upload has
+        no Content-Length to check first); 499 if the client goes away before it is complete."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large(int(declared))
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise self._too_large(len(body))
-        return body
+            raise self._too_large(f"{int(declared)} bytes")
+        body = bytearray()
+        try:
+            async for piece in request.stream():
+                body += piece
+                if len(body) > self.max_body_bytes:
+                    raise self._too_large(f"over {self.max_body_bytes} bytes (stopped reading at "
+                                          f"{len(body)})")
+        except ClientDisconnect:
+            self.metrics.body_disconnects.inc()
+            raise APIError(499, "client disconnected while sending the request body",
+                           code="client_disconnected") from None
+        return bytes(body)
 
-    def _too_large(self, n: int) -> APIError:
-        return APIError(413, f"request body is {n} bytes; the limit is {self.max_body_bytes}",
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"request body is {size}; the limit is {self.max_body_bytes} bytes",
                         code="body_too_large")
 
     def check_model(self, model: Optional[str]) -> None:
@@ -207,6 +228,7 @@ class Server:
         endpoint = "chat" if chat else "completions"
         try:
             self.check_auth(request)
+            self.check_content_type(request)
             body = await self.read_body(request)
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self.check_model(req.model)
@@ -220,6 +242,17 @@ class Server:
             return EventStream(gen.sse(), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await gen.collect(request))
+
+
+def parse_content_type(header: str) -> tuple[str, str]:
+    """'application/json; charset=UTF-8' -> ('application/json', 'utf-8'); no charset = utf-8."""
+    media, *params = header.split(";")
+    charset = "utf-8"
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    return media.strip().lower(), charset
 
 
 # ---------------------------------------------------------------------------- wiring

@@ -5,6 +5,7 @@
 | eagle3:requests_total{endpoint,status} | counter | finished HTTP requests to /v1/* by status code |
 | eagle3:request_success_total{finish_reason} | counter | generations that ran to stop/length |
 | eagle3:requests_cancelled_total | counter | generations stopped because the client went away |
+| eagle3:requests_body_disconnected_total | counter | clients gone before sending the whole body (499) |
 | eagle3:prompt_tokens_total, eagle3:generation_tokens_total | counter | tokens in / out |
 | eagle3:e2e_request_latency_seconds | histogram | arrival -> last token (queue wait included) |
 | eagle3:time_to_first_token_seconds | histogram | arrival -> first token (queue wait included) |
@@ -39,6 +40,9 @@ class ServerMetrics:
                                ["finish_reason"], registry=r)
         self.cancelled = Counter("eagle3:requests_cancelled",
                                  "Generations stopped because the client disconnected", registry=r)
+        self.body_disconnects = Counter("eagle3:requests_body_disconnected",
+                                        "Requests whose client disconnected before sending the "
+                                        "whole body (answered 499, nothing logged)", registry=r)
         self.prompt_tokens = Counter("eagle3:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("eagle3:generation_tokens", "Tokens generated", registry=r)
         self.latency = Histogram("eagle3:e2e_request_latency_seconds", "Arrival to last token",
