@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import socket
 import statistics
 import threading
@@ -20,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.serve import create_app
-from serve_fixtures import GroupedEngine, RunningServer, tiny_target, tokenizer
+from serve_fixtures import CountingTokenizer, GroupedEngine, RunningServer, tiny_target, tokenizer
 
 KEY = "sk-test-key"
 MODEL = "tiny"
@@ -432,6 +433,7 @@ def small_body_server(target):
     engine = GroupedEngine(target, tokenizer(), max_model_len=CTX)
     app = create_app(engine, model_name=MODEL, max_body_bytes=64 << 10)
     with RunningServer(app) as s:
+        s.app = app
         yield s
 
 
@@ -439,6 +441,22 @@ def raw_request(port: int, head: str) -> socket.socket:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     sock.sendall(head.encode())
     return sock
+
+
+def read_reply(sock: socket.socket, timeout_s: float) -> str:
+    """One HTTP response (headers and Content-Length body) as text; what came if it stops short."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: *(\d+)", data, re.I).group(1)):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    except socket.timeout:
+        pass
+    return data.decode("latin-1")
 
 
 def test_chunked_upload_answers_413_at_the_limit(small_body_server):
@@ -451,11 +469,7 @@ def test_chunked_upload_answers_413_at_the_limit(small_body_server):
     piece = b"x" * (16 << 10)
     for _ in range(5):                           # 80 KB > 64 KB; the terminating chunk never comes
         sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
-    sock.settimeout(5)
-    try:
-        reply = sock.recv(65536).decode("latin-1")
-    except socket.timeout:
-        reply = "(no answer within 5 s: the server is still waiting for the rest of the body)"
+    reply = read_reply(sock, timeout_s=5) or "(no answer in 5 s: the server waits for the rest)"
     sock.close()
     assert reply.startswith("HTTP/1.1 413"), reply[:200]
     assert '"code":"body_too_large"' in reply.replace(" ", "")
@@ -497,6 +511,59 @@ def test_disconnect_while_sending_the_body_is_quiet(small_body_server):
     after = metrics(small_body_server.url)
     status = ("eagle3:requests_total", (("endpoint", "chat"), ("status", "499")))
     assert after.get(status, 0) - before.get(status, 0) == 2
+
+
+@pytest.fixture
+def counted_prompts(small_body_server):
+    """The server's prompt tokenizer, counting its encode calls (delay_s settable)."""
+    state = small_body_server.app.state.server
+    real = state.prompt_tokenizer
+    state.prompt_tokenizer = CountingTokenizer(real)
+    yield state.prompt_tokenizer
+    state.prompt_tokenizer = real
+
+
+def test_prompt_over_the_character_bound_is_refused_before_tokenizing(small_body_server,
+                                                                      counted_prompts):
+    """A 3.9 MB prompt took 3.6 s of tokenizing before its 400: no prompt with more characters
+    than the context's tokens times the longest token's characters can fit."""
+    state = small_body_server.app.state.server
+    longest = max(map(len, tokenizer().get_vocab()))
+    assert state.max_prompt_chars >= CTX * longest          # never refuses a prompt that fits
+    text = "a" * (state.max_prompt_chars + 1)
+    for path, body, param in [("/v1/completions", {"prompt": text}, "prompt"),
+                              ("/v1/completions", {"prompt": [text]}, "prompt"),
+                              ("/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": text[:9]},
+                                             {"role": "user", "content": text[9:]}]}, "messages")]:
+        r = httpx.post(small_body_server.url + path, json={**body, "max_tokens": 1}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text[:300]
+        assert err["param"] == param and f"{len(text)} characters" in err["message"]
+    assert counted_prompts.calls == 0
+    # long tokens: far more characters than a fixed 32 per token would allow, and it fits
+    fits = ("\n" + " " * 80) * 150                          # 12150 characters, 150 tokens
+    r = httpx.post(small_body_server.url + "/v1/completions", timeout=30,
+                   json={"prompt": fits, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 150
+    assert counted_prompts.calls == 1
+
+
+def test_health_answers_while_a_prompt_is_tokenized(small_body_server, counted_prompts):
+    """Tokenizing ran on the event loop and froze every route, /health included."""
+    counted_prompts.delay_s = 1.5
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+        small_body_server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+        timeout=30)))
+    t.start()
+    assert wait_for(lambda: counted_prompts.calls == 1)
+    t0 = time.perf_counter()
+    health = httpx.get(small_body_server.url + "/health", timeout=10)
+    waited = time.perf_counter() - t0
+    t.join(timeout=30)
+    assert health.status_code == 200 and waited < 0.5, f"/health took {waited:.2f} s"
+    assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 2
 
 
 # ---------------------------------------------------------------------------- real speculation
