@@ -407,6 +407,28 @@ def test_disconnect_while_waiting_for_a_whole_response(slow_server):
     assert metrics(slow_server.url)[("eagle3:requests_cancelled_total", ())] == 1
 
 
+def test_cancelled_steps_count_in_health_and_metrics(slow_server):
+    """/health's acceptance monitor saw the decode steps of cancelled requests and /metrics did
+    not; both count them now (the draft and verify work was done)."""
+    from eagle3.spec.monitor import AcceptanceMonitor
+    state = slow_server.app.state.server
+    state.engine.monitor = AcceptanceMonitor()
+    http, resp = open_stream(slow_server.url, 200)
+    events = [ln for _, ln in zip(range(20), resp.iter_lines()) if ln.startswith("data:")]
+    resp.close()
+    http.close()
+    assert len(events) >= 3
+    assert wait_for(lambda: state.worker.running is None and state.acceptance is not None, 2.0)
+    acceptance = httpx.get(slow_server.url + "/health", timeout=10).json()["acceptance"]
+    m = metrics(slow_server.url)
+    assert m[("eagle3:requests_cancelled_total", ())] == 1
+    assert acceptance["steps"] >= 2 and acceptance["accepted_tokens"] > 0
+    assert m[("eagle3:spec_decode_num_drafts_total", ())] == acceptance["steps"]
+    assert m[("eagle3:spec_decode_num_draft_tokens_total", ())] == acceptance["proposed_tokens"]
+    assert m[("eagle3:spec_decode_num_accepted_tokens_total", ())] == acceptance["accepted_tokens"]
+    assert m[("eagle3:spec_decode_acceptance_length_count", ())] == acceptance["steps"]
+
+
 def test_full_queue_answers_503_with_retry_after(slow_server):
     http, running = open_stream(slow_server.url, 200)          # occupies the engine
     lines = running.iter_lines()         # keep a reference: a dropped iterator closes the stream

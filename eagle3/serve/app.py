@@ -99,8 +99,11 @@ class Server:
         self.tokenize_pool: Optional[ThreadPoolExecutor] = None
         self.vocab_size = int(engine.target.config.vocab_size)
         self.depth = spec_depth(engine)
-        self.worker = EngineWorker(engine, max_queue, after_job=self.after_job)
         self.metrics = ServerMetrics(max(self.depth, 1))
+        # speculation counters take every decode step in the engine thread, cancelled requests'
+        # included, like the acceptance monitor behind /health: the two always agree
+        self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
+                                   on_decode_step=lambda step: self.metrics.observe_steps([step]))
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
         self.created = int(time.time())

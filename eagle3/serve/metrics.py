@@ -16,6 +16,9 @@
 | eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
 | eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
 | eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
+
+The spec_decode counters take every decode step the engine ran, cancelled requests included, like
+the acceptance monitor behind /health, so the two always agree.
 """
 from __future__ import annotations
 
@@ -80,7 +83,7 @@ class ServerMetrics:
         self.degraded.set_function(lambda: float(degraded()))
 
     def observe_steps(self, decode_steps: Sequence[Step]) -> None:
-        """Speculation counters from the decode steps of one generation (prefill excluded)."""
+        """Speculation counters from decode steps (prefill excluded), finished or cancelled."""
         for s in decode_steps:
             if s.proposed <= 0:
                 continue
