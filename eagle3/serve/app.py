@@ -12,6 +12,11 @@
 Every response carries its speculation stats in an extra field `eagle3`; stream chunks carry the
 text split into runs [[text, drafted], ...] and the running tau. No request field is ever used as a
 file path: `model` is only compared with the served name.
+
+Request intake, in order: API key (401); Content-Type application/json (415); the body, read as a
+stream up to max_body_bytes (413 once past it; 499, quietly, if the client leaves mid-body); strict
+parsing (400); a prompt over max_model_len x chars_per_token characters is refused before it is
+tokenized (400), the rest is tokenized in a tokenizer thread, never on the event loop.
 """
 from __future__ import annotations
 
