@@ -12,10 +12,15 @@ import torch
 
 from .errors import InputError
 
+# Temperatures below this decode greedily (vLLM uses the same 1e-5). `logits / T` overflows fp32 to
+# inf once T < ~1e-38 (softmax then has no finite mass), and long before that the distribution is
+# one-hot for any logit gap above ~1e-3, so argmax is the limit the caller asked for.
+GREEDY_BELOW = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0          # 0 = greedy
+    temperature: float = 0.0          # 0 (or anything below GREEDY_BELOW) = greedy
     top_p: float = 1.0
     top_k: int = 0                    # 0 = off
     seed: Optional[int] = None
@@ -36,7 +41,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Plain decoding, speculative decoding and the verifier all take the argmax path."""
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         g = torch.Generator(device=device)

@@ -118,3 +118,18 @@ class RunningServer:
         self.thread.join(timeout=15)
         self.sock.close()
         assert not self.thread.is_alive(), "uvicorn did not stop"
+
+
+class CountingTokenizer:
+    """A tokenizer whose `encode` counts its calls and can sleep first (a long tokenization)."""
+
+    def __init__(self, inner, delay_s: float = 0.0):
+        self.inner, self.delay_s, self.calls = inner, delay_s, 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def encode(self, *args, **kwargs):
+        self.calls += 1
+        time.sleep(self.delay_s)
+        return self.inner.encode(*args, **kwargs)

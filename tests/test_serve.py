@@ -5,7 +5,10 @@ plain engine's while the server sees drafted tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
+import socket
 import statistics
 import threading
 import time
@@ -18,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.serve import create_app
-from serve_fixtures import GroupedEngine, RunningServer, tiny_target, tokenizer
+from serve_fixtures import CountingTokenizer, GroupedEngine, RunningServer, tiny_target, tokenizer
 
 KEY = "sk-test-key"
 MODEL = "tiny"
@@ -131,6 +134,20 @@ def test_seeded_sampling_equals_engine(client, reference):
     assert texts == [ref.text, ref.text]
 
 
+def test_tiny_temperature_is_greedy(client, reference):
+    """T = 1e-300 overflowed `logits / T` (500, or an error event mid-stream): it decodes greedily."""
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ref = reference.generate(messages=messages, params=greedy(12))
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                          temperature=1e-300)
+    assert resp.choices[0].message.content == ref.text
+    stream = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12,
+                                            temperature=1e-300, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ref.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
 # ---------------------------------------------------------------------------- bad input
 GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 LONG_PROMPT = "word " * 400          # ~400 tokens > the 256-token context
@@ -179,6 +196,14 @@ BAD = [  # (name, method, path, body (dict -> JSON, bytes -> raw), headers, stat
     ("path traversal", "GET", "/static/../../etc/passwd", None, {}, 404),
     ("wrong method", "GET", "/v1/chat/completions", None, AUTH, 405),
     ("body too large", "POST", "/v1/completions", b"x" * (5 << 20), AUTH, 413),
+    ("json sent as text/plain", "POST", "/v1/chat/completions", json.dumps(GOOD).encode(),
+     {**AUTH, "Content-Type": "text/plain"}, 415),
+    ("form body", "POST", "/v1/completions", b"prompt=hi",
+     {**AUTH, "Content-Type": "application/x-www-form-urlencoded"}, 415),
+    ("no content type", "POST", "/v1/completions", b'{"prompt": "a"}', {**AUTH, "Content-Type": ""},
+     415),
+    ("json in latin-1", "POST", "/v1/completions", b'{"prompt": "a"}',
+     {**AUTH, "Content-Type": "application/json; charset=latin-1"}, 415),
 ]
 
 
@@ -187,6 +212,8 @@ def test_bad_input_gets_openai_errors_and_server_keeps_serving(server, client):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         for name, method, path, body, headers, status in BAD:
             kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+            if isinstance(body, bytes):
+                headers = {"Content-Type": "application/json", **headers}
             r = http.request(method, path, headers=headers, **({} if body is None else kw))
             assert r.status_code == status, (name, r.status_code, r.text[:300])
             err = r.json()["error"]
@@ -206,6 +233,21 @@ def test_errors_name_the_field(server):
     r = httpx.post(server.url + "/v1/chat/completions", headers=AUTH, timeout=30,
                    json={**GOOD, "max_tokens": 300})
     assert r.json()["error"]["param"] == "max_tokens" and "256" in r.json()["error"]["message"]
+
+
+def test_only_json_bodies_are_served(server):
+    """text/plain is a CORS "simple" request: without this check any web page could POST to the
+    server cross-origin without a preflight."""
+    body = json.dumps({**GOOD, "max_tokens": 1}).encode()
+    for ctype, status in [("text/plain", 415), ("text/plain; charset=utf-8", 415),
+                          ("application/json; charset=utf-8", 200),
+                          ('Application/JSON;charset="UTF-8"', 200)]:
+        r = httpx.post(server.url + "/v1/chat/completions", content=body, timeout=30,
+                       headers={**AUTH, "Content-Type": ctype})
+        assert r.status_code == status, (ctype, r.text[:200])
+        if status == 415:
+            assert r.json()["error"]["code"] == "unsupported_media_type"
+            assert "application/json" in r.json()["error"]["message"]
 
 
 # ---------------------------------------------------------------------------- metrics, health
@@ -365,6 +407,28 @@ def test_disconnect_while_waiting_for_a_whole_response(slow_server):
     assert metrics(slow_server.url)[("eagle3:requests_cancelled_total", ())] == 1
 
 
+def test_cancelled_steps_count_in_health_and_metrics(slow_server):
+    """/health's acceptance monitor saw the decode steps of cancelled requests and /metrics did
+    not; both count them now (the draft and verify work was done)."""
+    from eagle3.spec.monitor import AcceptanceMonitor
+    state = slow_server.app.state.server
+    state.engine.monitor = AcceptanceMonitor()
+    http, resp = open_stream(slow_server.url, 200)
+    events = [ln for _, ln in zip(range(20), resp.iter_lines()) if ln.startswith("data:")]
+    resp.close()
+    http.close()
+    assert len(events) >= 3
+    assert wait_for(lambda: state.worker.running is None and state.acceptance is not None, 2.0)
+    acceptance = httpx.get(slow_server.url + "/health", timeout=10).json()["acceptance"]
+    m = metrics(slow_server.url)
+    assert m[("eagle3:requests_cancelled_total", ())] == 1
+    assert acceptance["steps"] >= 2 and acceptance["accepted_tokens"] > 0
+    assert m[("eagle3:spec_decode_num_drafts_total", ())] == acceptance["steps"]
+    assert m[("eagle3:spec_decode_num_draft_tokens_total", ())] == acceptance["proposed_tokens"]
+    assert m[("eagle3:spec_decode_num_accepted_tokens_total", ())] == acceptance["accepted_tokens"]
+    assert m[("eagle3:spec_decode_acceptance_length_count", ())] == acceptance["steps"]
+
+
 def test_full_queue_answers_503_with_retry_after(slow_server):
     http, running = open_stream(slow_server.url, 200)          # occupies the engine
     lines = running.iter_lines()         # keep a reference: a dropped iterator closes the stream
@@ -383,6 +447,145 @@ def test_full_queue_answers_503_with_retry_after(slow_server):
     http.close()
     t.join(timeout=30)
     assert queued["r"].status_code == 200
+
+
+@pytest.fixture(scope="module")
+def small_body_server(target):
+    """Bodies are limited to 64 KB."""
+    engine = GroupedEngine(target, tokenizer(), max_model_len=CTX)
+    app = create_app(engine, model_name=MODEL, max_body_bytes=64 << 10)
+    with RunningServer(app) as s:
+        s.app = app
+        yield s
+
+
+def raw_request(port: int, head: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(head.encode())
+    return sock
+
+
+def read_reply(sock: socket.socket, timeout_s: float) -> str:
+    """One HTTP response (headers and Content-Length body) as text; what came if it stops short."""
+    sock.settimeout(timeout_s)
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data or len(data.partition(b"\r\n\r\n")[2]) < int(
+                re.search(rb"content-length: *(\d+)", data, re.I).group(1)):
+            piece = sock.recv(65536)
+            if not piece:
+                break
+            data += piece
+    except socket.timeout:
+        pass
+    return data.decode("latin-1")
+
+
+def test_chunked_upload_answers_413_at_the_limit(small_body_server):
+    """No Content-Length: the server must stop at the limit, not read the whole upload first (a
+    400 MB chunked body grew the server by ~700 MB). The client sends just past the limit and then
+    waits without finishing the body: the 413 has to come anyway."""
+    sock = raw_request(small_body_server.port,
+                       "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                       "\r\nTransfer-Encoding: chunked\r\n\r\n")
+    piece = b"x" * (16 << 10)
+    for _ in range(5):                           # 80 KB > 64 KB; the terminating chunk never comes
+        sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+    reply = read_reply(sock, timeout_s=5) or "(no answer in 5 s: the server waits for the rest)"
+    sock.close()
+    assert reply.startswith("HTTP/1.1 413"), reply[:200]
+    assert '"code":"body_too_large"' in reply.replace(" ", "")
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_disconnect_while_sending_the_body_is_quiet(small_body_server):
+    """A client that goes away mid-body got ~118 lines of tracebacks; now a quiet 499, counted."""
+    handler = Records()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.error", "eagle3.serve")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    before = metrics(small_body_server.url)
+    try:
+        for _ in range(2):
+            sock = raw_request(small_body_server.port,
+                               "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n")
+            sock.sendall(b'{"messages": [{"role": "user", "content": "')
+            sock.close()
+        key = ("eagle3:requests_body_disconnected_total", ())
+        counted = wait_for(lambda: metrics(small_body_server.url).get(key, 0) - before.get(key, 0)
+                           == 2)
+        time.sleep(0.2)                      # any late traceback of the second request
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    noisy = [r.getMessage() for r in handler.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not noisy, noisy
+    assert counted
+    after = metrics(small_body_server.url)
+    status = ("eagle3:requests_total", (("endpoint", "chat"), ("status", "499")))
+    assert after.get(status, 0) - before.get(status, 0) == 2
+
+
+@pytest.fixture
+def counted_prompts(small_body_server):
+    """The server's prompt tokenizer, counting its encode calls (delay_s settable)."""
+    state = small_body_server.app.state.server
+    real = state.prompt_tokenizer
+    state.prompt_tokenizer = CountingTokenizer(real)
+    yield state.prompt_tokenizer
+    state.prompt_tokenizer = real
+
+
+def test_prompt_over_the_character_bound_is_refused_before_tokenizing(small_body_server,
+                                                                      counted_prompts):
+    """A 3.9 MB prompt took 3.6 s of tokenizing before its 400: no prompt with more characters
+    than the context's tokens times the longest token's characters can fit."""
+    state = small_body_server.app.state.server
+    longest = max(map(len, tokenizer().get_vocab()))
+    assert state.max_prompt_chars >= CTX * longest          # never refuses a prompt that fits
+    text = "a" * (state.max_prompt_chars + 1)
+    for path, body, param in [("/v1/completions", {"prompt": text}, "prompt"),
+                              ("/v1/completions", {"prompt": [text]}, "prompt"),
+                              ("/v1/chat/completions",
+                               {"messages": [{"role": "user", "content": text[:9]},
+                                             {"role": "user", "content": text[9:]}]}, "messages")]:
+        r = httpx.post(small_body_server.url + path, json={**body, "max_tokens": 1}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text[:300]
+        assert err["param"] == param and f"{len(text)} characters" in err["message"]
+    assert counted_prompts.calls == 0
+    # long tokens: far more characters than a fixed 32 per token would allow, and it fits
+    fits = ("\n" + " " * 80) * 150                          # 12150 characters, 150 tokens
+    r = httpx.post(small_body_server.url + "/v1/completions", timeout=30,
+                   json={"prompt": fits, "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 150
+    assert counted_prompts.calls == 1
+
+
+def test_health_answers_while_a_prompt_is_tokenized(small_body_server, counted_prompts):
+    """Tokenizing ran on the event loop and froze every route, /health included."""
+    counted_prompts.delay_s = 1.5
+    done = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", httpx.post(
+        small_body_server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2},
+        timeout=30)))
+    t.start()
+    assert wait_for(lambda: counted_prompts.calls == 1)
+    t0 = time.perf_counter()
+    health = httpx.get(small_body_server.url + "/health", timeout=10)
+    waited = time.perf_counter() - t0
+    t.join(timeout=30)
+    assert health.status_code == 200 and waited < 0.5, f"/health took {waited:.2f} s"
+    assert done["r"].status_code == 200 and done["r"].json()["usage"]["completion_tokens"] == 2
 
 
 # ---------------------------------------------------------------------------- real speculation

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sys
 import time
 
 import pytest
@@ -144,3 +146,22 @@ def test_worker_cancel_stops_between_chunks_and_full_queue_refuses():
 
     produced = asyncio.run(scenario())
     assert produced < 10                        # stopped within a step, not after 100 chunks
+
+
+# ---------------------------------------------------------------------------- cli
+@pytest.mark.parametrize("module", ["uvicorn", "fastapi"])
+def test_serve_without_the_extra_names_it(monkeypatch, caplog, module):
+    """An install without the serve extra died with a raw ModuleNotFoundError traceback (after
+    loading the model): now one line naming the extra, before the load."""
+    import eagle3.api
+    from eagle3.cli import main
+    loads = []
+    monkeypatch.setattr(eagle3.api, "load_engine", lambda **kw: loads.append(kw))
+    monkeypatch.setitem(sys.modules, module, None)        # `import module` -> ModuleNotFoundError
+    with caplog.at_level(logging.ERROR):
+        assert main(["serve", "--port", "9"]) == 2
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1 and errors[0].exc_info is None
+    message = errors[0].getMessage()
+    assert "pip install 'eagle3[serve]'" in message and module in message and "\n" not in message
+    assert loads == []

@@ -129,6 +129,19 @@ def test_stop_token_inside_accepted_draft_tokens(target, reference):
     assert stop not in got.token_ids
 
 
+@pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-6])
+def test_tiny_temperature_decodes_greedily(target, reference, temperature):
+    """`logits / T` overflows below T ~ 1e-38: such temperatures take the greedy path in plain
+    decoding, in the speculative decoder's root draw and in its verifier (issue #15)."""
+    params = SamplingParams(temperature=temperature, max_new_tokens=40, ignore_eos=True, seed=0)
+    assert params.greedy and not SamplingParams(temperature=1e-4).greedy
+    plain = Engine(target, StubTokenizer(), max_model_len=100)
+    assert plain.generate(prompt_ids=PROMPT, params=params).token_ids == reference
+    spec = spec_engine(target, oracle_draft(target, PROMPT + reference), SpecParams(2, 4, 8, 0.0))
+    result = spec.generate(prompt_ids=PROMPT, params=params)
+    assert result.token_ids == reference and result.tau > 1.5
+
+
 # ---------------------------------------------------------------------------- lossless sampling
 def exact_joint(target, prompt: list[int], params: SamplingParams, num_tokens: int) -> torch.Tensor:
     """P(t1..tn | prompt) under target_probs, by enumerating every prefix: [V] * n."""

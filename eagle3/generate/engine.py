@@ -102,9 +102,9 @@ class Engine:
                 delta += text.flush()
                 result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,
                                           time.perf_counter() - t0, ttft)
-                yield Chunk(delta, new, drafted, finish, result)
+                yield Chunk(delta, new, drafted, finish, result, step)
                 return
-            yield Chunk(delta, new, drafted)
+            yield Chunk(delta, new, drafted, step=step)
             step = decoder.step()
 
     @staticmethod

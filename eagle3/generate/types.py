@@ -14,6 +14,7 @@ class Chunk(NamedTuple):
     drafted: list[bool]                # per new token: came from an accepted draft proposal
     finish_reason: Optional[str] = None     # "stop" | "length" on the last chunk
     result: Optional["GenerationResult"] = None  # filled on the last chunk
+    step: Optional[Step] = None        # the engine step behind this chunk (the first: the prefill)
 
 
 @dataclass

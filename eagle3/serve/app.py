@@ -12,6 +12,11 @@
 Every response carries its speculation stats in an extra field `eagle3`; stream chunks carry the
 text split into runs [[text, drafted], ...] and the running tau. No request field is ever used as a
 file path: `model` is only compared with the served name.
+
+Request intake, in order: API key (401); Content-Type application/json (415); the body, read as a
+stream up to max_body_bytes (413 once past it; 499, quietly, if the client leaves mid-body); strict
+parsing (400); a prompt over max_model_len x chars_per_token characters is refused before it is
+tokenized (400), the rest is tokenized in a tokenizer thread, never on the event loop.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import copy
 import hmac
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from importlib import resources
 from typing import Optional
@@ -28,6 +34,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from ..errors import Eagle3Error
 from ..generate import encode_prompt
@@ -40,6 +47,7 @@ from .response import EventStream, Generation
 log = logging.getLogger("eagle3.serve")
 
 MAX_BODY_BYTES = 4 << 20
+MIN_CHARS_PER_TOKEN = 32     # floor of the per-token character bound (see chars_per_token)
 DEGRADED_HINT = (
     "speculation is not paying off: the rolling accepted length sits at 1.0 (the target rejects "
     "every draft token). Output is still exactly the target's, only slower. Likely causes: the "
@@ -61,6 +69,22 @@ def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = N
     return app
 
 
+def chars_per_token(tokenizer) -> int:
+    """Characters one token can stand for, at most: its vocabulary entry's length (byte-level BPE
+    spells each byte as one character, SentencePiece each character as itself), floored at
+    MIN_CHARS_PER_TOKEN for normalizers that fold several characters into one. A prompt longer than
+    max_model_len times this cannot fit the context, so it is refused without being tokenized."""
+    return max(MIN_CHARS_PER_TOKEN, max(map(len, tokenizer.get_vocab()), default=0))
+
+
+def prompt_chars(req, chat: bool) -> int:
+    """Characters of text in a request's prompt (a token-id prompt has none)."""
+    if chat:
+        return sum(len(m.text()) for m in req.messages)
+    prompt = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+    return sum(len(p) for p in prompt if isinstance(p, str))
+
+
 def spec_depth(engine) -> int:
     """Draft depth of the engine's tree settings (0 without a draft)."""
     return int(engine.spec.depth) if engine.draft is not None else 0
@@ -75,10 +99,16 @@ class Server:
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes = max_body_bytes
         self.tokenizer = copy.deepcopy(engine.tokenizer)   # the event loop's own (engine's is busy)
+        self.prompt_tokenizer = copy.deepcopy(engine.tokenizer)   # the tokenizer thread's own
+        self.max_prompt_chars = engine.max_model_len * chars_per_token(engine.tokenizer)
+        self.tokenize_pool: Optional[ThreadPoolExecutor] = None
         self.vocab_size = int(engine.target.config.vocab_size)
         self.depth = spec_depth(engine)
-        self.worker = EngineWorker(engine, max_queue, after_job=self.after_job)
         self.metrics = ServerMetrics(max(self.depth, 1))
+        # speculation counters take every decode step in the engine thread, cancelled requests'
+        # included, like the acceptance monitor behind /health: the two always agree
+        self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
+                                   on_decode_step=lambda step: self.metrics.observe_steps([step]))
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
         self.created = int(time.time())
@@ -86,11 +116,14 @@ class Server:
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
+        # one thread: prompts are tokenized in arrival order, off the event loop
+        self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="eagle3-tokenize")
         await self.worker.start()
         try:
             yield
         finally:
             await self.worker.stop()
+            self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ health
     def after_job(self) -> None:
@@ -132,17 +165,37 @@ class Server:
                            type="authentication_error", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})
 
+    def check_content_type(self, request: Request) -> None:
+        """Only JSON bodies: a form or text/plain POST is a "simple" cross-origin request that any
+        web page can send without a CORS preflight, so accepting it would let pages use the server."""
+        given = request.headers.get("content-type", "")
+        media, charset = parse_content_type(given)
+        if media != "application/json" or charset not in ("utf-8", "utf8"):
+            raise APIError(415, f"Content-Type is {given or 'missing'!r}; send the body as "
+                                "'Content-Type: application/json' (UTF-8)",
+                           code="unsupported_media_type")
+
     async def read_body(self, request: Request) -> bytes:
+        """The body, read as it arrives: 413 as soon as it passes the limit (a chunked upload has
+        no Content-Length to check first); 499 if the client goes away before it is complete."""
         declared = request.headers.get("content-length")
         if declared and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large(int(declared))
-        body = await request.body()
-        if len(body) > self.max_body_bytes:
-            raise self._too_large(len(body))
-        return body
+            raise self._too_large(f"{int(declared)} bytes")
+        body = bytearray()
+        try:
+            async for piece in request.stream():
+                body += piece
+                if len(body) > self.max_body_bytes:
+                    raise self._too_large(f"over {self.max_body_bytes} bytes (stopped reading at "
+                                          f"{len(body)})")
+        except ClientDisconnect:
+            self.metrics.body_disconnects.inc()
+            raise APIError(499, "client disconnected while sending the request body",
+                           code="client_disconnected") from None
+        return bytes(body)
 
-    def _too_large(self, n: int) -> APIError:
-        return APIError(413, f"request body is {n} bytes; the limit is {self.max_body_bytes}",
+    def _too_large(self, size: str) -> APIError:
+        return APIError(413, f"request body is {size}; the limit is {self.max_body_bytes} bytes",
                         code="body_too_large")
 
     def check_model(self, model: Optional[str]) -> None:
@@ -151,11 +204,28 @@ class Server:
                                 f"{self.model_name!r} (see GET /v1/models)", param="model",
                            code="model_not_found")
 
+    async def tokenize(self, req, chat: bool) -> list[int]:
+        """Prompt token ids. Tokenizing megabytes of text takes seconds: it runs in the tokenizer
+        thread, and only after a character bound that no prompt fitting the context can exceed."""
+        self.check_prompt_chars(req, chat)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, self.encode,
+                                                                req, chat)
+
+    def check_prompt_chars(self, req, chat: bool) -> None:
+        n = prompt_chars(req, chat)
+        if n > self.max_prompt_chars:
+            limit = self.engine.max_model_len
+            raise APIError(400, f"the prompt has {n} characters; a {limit}-token context holds at "
+                                f"most {self.max_prompt_chars} (a token stands for at most "
+                                f"{self.max_prompt_chars // limit} characters here): shorten it",
+                           param="messages" if chat else "prompt", code="context_length_exceeded")
+
     def encode(self, req, chat: bool) -> list[int]:
+        """Runs in the tokenizer thread."""
         try:
             if chat:
                 messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-                return encode_prompt(self.tokenizer, messages=messages, chat=True)
+                return encode_prompt(self.prompt_tokenizer, messages=messages, chat=True)
             return self._completion_ids(req.prompt)
         except Eagle3Error as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt",
@@ -163,13 +233,13 @@ class Server:
 
     def _completion_ids(self, prompt) -> list[int]:
         if isinstance(prompt, str):
-            return encode_prompt(self.tokenizer, prompt=prompt, chat=False)
+            return encode_prompt(self.prompt_tokenizer, prompt=prompt, chat=False)
         if prompt and all(isinstance(p, str) for p in prompt):
             if len(prompt) != 1:
                 raise APIError(400, f"prompt is a batch of {len(prompt)} strings; this server "
                                     "takes one prompt per request", param="prompt",
                                code="unsupported_value")
-            return encode_prompt(self.tokenizer, prompt=prompt[0], chat=False)
+            return encode_prompt(self.prompt_tokenizer, prompt=prompt[0], chat=False)
         bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
             raise APIError(400, f"prompt token ids {bad[:5]} are outside the vocabulary "
@@ -207,10 +277,11 @@ class Server:
         endpoint = "chat" if chat else "completions"
         try:
             self.check_auth(request)
+            self.check_content_type(request)
             body = await self.read_body(request)
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self.check_model(req.model)
-            prompt_ids = self.encode(req, chat)
+            prompt_ids = await self.tokenize(req, chat)
             job = self.submit(prompt_ids, self.params(req, len(prompt_ids), chat))
         except APIError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
@@ -220,6 +291,17 @@ class Server:
             return EventStream(gen.sse(), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await gen.collect(request))
+
+
+def parse_content_type(header: str) -> tuple[str, str]:
+    """'application/json; charset=UTF-8' -> ('application/json', 'utf-8'); no charset = utf-8."""
+    media, *params = header.split(";")
+    charset = "utf-8"
+    for param in params:
+        key, _, value = param.partition("=")
+        if key.strip().lower() == "charset":
+            charset = value.strip().strip('"').lower()
+    return media.strip().lower(), charset
 
 
 # ---------------------------------------------------------------------------- wiring

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 from typing import Optional, Sequence
@@ -11,6 +12,8 @@ from ..errors import Eagle3Error
 from ..runtime.assets import DEFAULT_MODEL
 
 log = logging.getLogger("eagle3.serve")
+
+SERVE_MODULES = ("fastapi", "uvicorn", "prometheus_client")    # the 'serve' extra
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,6 +45,12 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.max_queue < 1 or args.max_model_len < 2:
         parser.error("--max-queue must be >= 1 and --max-model-len >= 2")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    missing = missing_modules(SERVE_MODULES)
+    if missing:             # checked before the model load, which can take minutes
+        log.error("eagle3 serve needs the 'serve' extra, which is not installed (missing: %s): "
+                  "pip install 'eagle3[serve]' (in a checkout: pip install -e '.[serve]')",
+                  ", ".join(missing))
+        return 2
     try:
         from ..api import load_engine
         engine = load_engine(model=args.model, draft=args.draft, spec=spec_from_args(args),
@@ -61,3 +70,13 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def missing_modules(names: Sequence[str]) -> list[str]:
+    missing = []
+    for name in names:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing

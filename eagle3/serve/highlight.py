@@ -10,35 +10,18 @@ from __future__ import annotations
 
 from typing import Sequence
 
-WINDOW = 8   # tokens of left context when measuring one token's text (BPE merges are local)
+from ..generate.text import IncrementalDecoder
 
 
 class DraftSpans:
     def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self.decoder = IncrementalDecoder(tokenizer)
         self.flags: list[bool] = []     # one per character of the decoded text so far
 
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
-
     def push(self, token_ids: Sequence[int], drafted: Sequence[bool]) -> None:
-        """Append a chunk's tokens with their drafted flags."""
+        """Append a chunk's tokens with their drafted flags (one incremental decode per token)."""
         for tok, flag in zip(token_ids, drafted):
-            start = max(0, len(self.ids) - WINDOW)
-            before = len(self._decode(self.ids[start:]))
-            self.ids.append(int(tok))
-            grown = len(self._decode(self.ids[start:])) - before
-            self.flags.extend([bool(flag)] * max(0, grown))
-        self._resync()
-
-    def _resync(self) -> None:
-        """Match the flag count to the full decode (windowed lengths can drift on odd merges)."""
-        n = len(self._decode(self.ids))
-        if n < len(self.flags):
-            del self.flags[n:]
-        else:
-            self.flags.extend([self.flags[-1] if self.flags else False] * (n - len(self.flags)))
+            self.flags.extend([bool(flag)] * len(self.decoder.push([tok])))
 
     def segments(self, start: int, text: str) -> list[tuple[str, bool]]:
         """Split `text`, which sits at characters [start, start+len(text)), into (run, drafted)."""

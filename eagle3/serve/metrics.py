@@ -5,6 +5,7 @@
 | eagle3:requests_total{endpoint,status} | counter | finished HTTP requests to /v1/* by status code |
 | eagle3:request_success_total{finish_reason} | counter | generations that ran to stop/length |
 | eagle3:requests_cancelled_total | counter | generations stopped because the client went away |
+| eagle3:requests_body_disconnected_total | counter | clients gone before sending the whole body (499) |
 | eagle3:prompt_tokens_total, eagle3:generation_tokens_total | counter | tokens in / out |
 | eagle3:e2e_request_latency_seconds | histogram | arrival -> last token (queue wait included) |
 | eagle3:time_to_first_token_seconds | histogram | arrival -> first token (queue wait included) |
@@ -15,6 +16,9 @@
 | eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
 | eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
 | eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
+
+The spec_decode counters take every decode step the engine ran, cancelled requests included, like
+the acceptance monitor behind /health, so the two always agree.
 """
 from __future__ import annotations
 
@@ -39,6 +43,9 @@ class ServerMetrics:
                                ["finish_reason"], registry=r)
         self.cancelled = Counter("eagle3:requests_cancelled",
                                  "Generations stopped because the client disconnected", registry=r)
+        self.body_disconnects = Counter("eagle3:requests_body_disconnected",
+                                        "Requests whose client disconnected before sending the "
+                                        "whole body (answered 499, nothing logged)", registry=r)
         self.prompt_tokens = Counter("eagle3:prompt_tokens", "Prompt tokens processed", registry=r)
         self.generation_tokens = Counter("eagle3:generation_tokens", "Tokens generated", registry=r)
         self.latency = Histogram("eagle3:e2e_request_latency_seconds", "Arrival to last token",
@@ -76,7 +83,7 @@ class ServerMetrics:
         self.degraded.set_function(lambda: float(degraded()))
 
     def observe_steps(self, decode_steps: Sequence[Step]) -> None:
-        """Speculation counters from the decode steps of one generation (prefill excluded)."""
+        """Speculation counters from decode steps (prefill excluded), finished or cancelled."""
         for s in decode_steps:
             if s.proposed <= 0:
                 continue

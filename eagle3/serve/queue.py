@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from ..errors import InputError
-from ..generate import Chunk, SamplingParams
+from ..generate import Chunk, SamplingParams, Step
 
 log = logging.getLogger("eagle3.serve")
 
@@ -49,11 +49,15 @@ class Job:
 
 
 class EngineWorker:
-    def __init__(self, engine, max_queue: int, after_job: Optional[Callable[[], None]] = None):
+    def __init__(self, engine, max_queue: int, after_job: Optional[Callable[[], None]] = None,
+                 on_decode_step: Optional[Callable[[Step], None]] = None):
         if max_queue < 1:
             raise InputError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue = engine, max_queue
         self.after_job = after_job     # called in the engine thread after each job, before END
+        # called in the engine thread with every decode step the engine ran, those of cancelled
+        # jobs included: the same steps the engine's acceptance monitor observes
+        self.on_decode_step = on_decode_step
         self.queue: Optional[asyncio.Queue] = None
         self.running: Optional[Job] = None
         self.mean_job_s = 1.0          # moving average of job wall time (for Retry-After)
@@ -121,7 +125,9 @@ class EngineWorker:
     def _run(self, job: Job) -> None:
         stream = self.engine.stream(prompt_ids=job.prompt_ids, params=job.params)
         try:
-            for chunk in stream:
+            for i, chunk in enumerate(stream):
+                if i and self.on_decode_step is not None:
+                    self.on_decode_step(chunk.step)
                 job.push(chunk)
                 if job.cancelled.is_set():
                     break

@@ -95,7 +95,6 @@ class Generation:
         if chunk.result is not None:
             m.success.labels(chunk.finish_reason).inc()
             m.latency.observe(now - self.job.arrived)
-            m.observe_steps(chunk.result.decode_steps)
             m.requests.labels(self.endpoint, "200").inc()
 
     # ------------------------------------------------------------------ payload pieces
