@@ -410,7 +410,7 @@ def test_disconnect_while_waiting_for_a_whole_response(slow_server):
 def test_cancelled_steps_count_in_health_and_metrics(slow_server):
     """/health's acceptance monitor saw the decode steps of cancelled requests and /metrics did
     not; both count them now (the draft and verify work was done)."""
-    from eagle3.spec.monitor import AcceptanceMonitor
+    from eagle3.speculative.monitor import AcceptanceMonitor
     state = slow_server.app.state.server
     state.engine.monitor = AcceptanceMonitor()
     http, resp = open_stream(slow_server.url, 200)

@@ -88,6 +88,6 @@ def test_real_load_32_concurrent_streams():
         results, wall = asyncio.run(load_run(server.url, prompts, True, max_tokens=8))
     assert [t for t, _ in results] == [t for t, _ in serial]
     lat = sorted(s for _, s in results)
-    print(f"\nreal load ({'speculative' if engine.draft is not None else 'plain'}): 32 concurrent "
+    print(f"\nreal load ({'speculative' if engine.speculative else 'plain'}): 32 concurrent "
           f"streaming clients x 8 tokens: {32 / wall:.2f} req/s, p50 {statistics.median(lat):.2f} s, "
           f"p95 {lat[int(0.95 * 31)]:.2f} s; serial {32 / serial_wall:.2f} req/s")

@@ -97,14 +97,14 @@ class Engine:
             if text.stopped:
                 finish = "stop"
             ttft = ttft or time.perf_counter() - t0
-            drafted = [i < step.accepted for i in range(len(new))]
+            from_draft = [i < step.accepted for i in range(len(new))]
             if finish:
                 delta += text.flush()
                 result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,
                                           time.perf_counter() - t0, ttft)
-                yield Chunk(delta, new, drafted, finish, result, step)
+                yield Chunk(delta, new, from_draft, finish, result, step)
                 return
-            yield Chunk(delta, new, drafted, step=step)
+            yield Chunk(delta, new, from_draft, step=step)
             step = decoder.step()
 
     @staticmethod

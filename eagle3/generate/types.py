@@ -11,7 +11,7 @@ class Chunk(NamedTuple):
     """A streamed piece of output."""
     text: str                          # new text (stop strings removed, incomplete UTF-8 held back)
     token_ids: list[int]               # new token ids
-    drafted: list[bool]                # per new token: came from an accepted draft proposal
+    from_draft: list[bool]             # per new token: an accepted draft proposal (not the bonus)
     finish_reason: Optional[str] = None     # "stop" | "length" on the last chunk
     result: Optional["GenerationResult"] = None  # filled on the last chunk
     step: Optional[Step] = None        # the engine step behind this chunk (the first: the prefill)

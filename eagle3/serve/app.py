@@ -87,7 +87,7 @@ def prompt_chars(req, chat: bool) -> int:
 
 def spec_depth(engine) -> int:
     """Draft depth of the engine's tree settings (0 without a draft)."""
-    return int(engine.spec.depth) if engine.draft is not None else 0
+    return int(engine.spec.depth) if engine.speculative else 0
 
 
 # ---------------------------------------------------------------------------- server state
@@ -145,7 +145,7 @@ class Server:
 
     def health(self) -> dict:
         body = {"status": "degraded" if self.degraded else "ok", "model": self.model_name,
-                "speculative": self.engine.draft is not None,
+                "speculative": self.engine.speculative,
                 "queue": {"waiting": self.worker.waiting, "running": self.worker.busy}}
         if self.acceptance is not None:
             body["acceptance"] = self.acceptance

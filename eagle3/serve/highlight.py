@@ -18,9 +18,9 @@ class DraftSpans:
         self.decoder = IncrementalDecoder(tokenizer)
         self.flags: list[bool] = []     # one per character of the decoded text so far
 
-    def push(self, token_ids: Sequence[int], drafted: Sequence[bool]) -> None:
+    def push(self, token_ids: Sequence[int], from_draft: Sequence[bool]) -> None:
         """Append a chunk's tokens with their drafted flags (one incremental decode per token)."""
-        for tok, flag in zip(token_ids, drafted):
+        for tok, flag in zip(token_ids, from_draft):
             self.flags.extend([bool(flag)] * len(self.decoder.push([tok])))
 
     def segments(self, start: int, text: str) -> list[tuple[str, bool]]:

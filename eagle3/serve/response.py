@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 import uuid
-from typing import TYPE_CHECKING, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Optional, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -23,14 +23,19 @@ from .highlight import DraftSpans
 from .protocol import APIError
 from .queue import END, Job
 
-if TYPE_CHECKING:
-    from .app import Server
+class Served(Protocol):
+    """What a response needs of the server (serve.app.Server has it)."""
+    metrics: Any          # serve.metrics.ServerMetrics
+    tokenizer: Any        # the event loop's tokenizer
+    engine: Any           # generate.Engine (its `speculative`)
+    depth: int            # draft positions reported per step
+    model_name: str
 
 
 class Generation:
     """Turns one job's chunks into an OpenAI response (whole or SSE) and records its metrics."""
 
-    def __init__(self, server: "Server", job: Job, req, chat: bool, endpoint: str):
+    def __init__(self, server: Served, job: Job, req, chat: bool, endpoint: str):
         self.server, self.job, self.req, self.chat, self.endpoint = server, job, req, chat, endpoint
         self.metrics = server.metrics
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -38,7 +43,7 @@ class Generation:
         self.spans = DraftSpans(server.tokenizer) if req.stream else None
         self.emitted = 0                    # characters of text handed out so far
         self.chunks_seen = 0
-        self.tokens = self.drafted = 0
+        self.tokens = self.from_draft = 0     # emitted tokens; of them, accepted draft proposals
         self.decode_tokens = self.decode_steps = 0
         self.done = False
 
@@ -89,9 +94,9 @@ class Generation:
             self.decode_tokens += len(chunk.token_ids)
         m.generation_tokens.inc(len(chunk.token_ids))
         self.tokens += len(chunk.token_ids)
-        self.drafted += sum(chunk.drafted)
+        self.from_draft += sum(chunk.from_draft)
         if self.spans is not None:
-            self.spans.push(chunk.token_ids, chunk.drafted)
+            self.spans.push(chunk.token_ids, chunk.from_draft)
         if chunk.result is not None:
             m.success.labels(chunk.finish_reason).inc()
             m.latency.observe(now - self.job.arrived)
@@ -104,13 +109,13 @@ class Generation:
         self.emitted += len(text)
         tau = self.decode_tokens / self.decode_steps if self.decode_steps else 1.0
         return {"segments": segments, "tau": round(tau, 4), "tokens": self.tokens,
-                "drafted_tokens": self.drafted}
+                "drafted_tokens": self.from_draft}
 
     def stats(self, result: GenerationResult) -> dict:
         steps = result.decode_steps
-        return {"speculative": self.server.engine.draft is not None, "tau": round(result.tau, 4),
+        return {"speculative": self.server.engine.speculative, "tau": round(result.tau, 4),
                 "decode_steps": len(steps), "tokens": len(result.token_ids),
-                "drafted_tokens": self.drafted,          # emitted tokens that were draft proposals
+                "drafted_tokens": self.from_draft,          # emitted tokens that were draft proposals
                 "draft_tokens_proposed": sum(s.proposed for s in steps),
                 "draft_tokens_accepted": sum(s.accepted for s in steps),
                 "acceptance_per_position": [round(a, 4) for a in
