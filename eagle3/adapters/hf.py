@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import ContractError, LoadError, UnsupportedError
-from ..models.config import RopeConfig, check_capture_ids
+from ..models.config import RopeConfig, check_capture_ids, default_capture_ids
 from ..models.llama import ForwardOutput
 from ..models.kv_cache import check_room
 
@@ -82,9 +82,7 @@ class TargetConfig:
 
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
-        """EAGLE-3 default capture ids in the "input to layer i" convention: 2, L//2, L-3."""
-        n = self.num_layers
-        return (2, n // 2, n - 3)
+        return default_capture_ids(self.num_layers)
 
 
 def _native_rope(text_cfg: Any) -> Optional[RopeConfig]:
