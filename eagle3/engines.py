@@ -153,6 +153,10 @@ EAGLE_REFERENCE = Engine(
     num_aux_layers=3)
 ENGINES: dict[str, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMA_CPP, EAGLE_REFERENCE)}
 
+# How this project reads a draft's ids (draft/formats.py resolve_layer_ids, which also requires the two
+# to agree when both are stored): the ids the draft was trained on.
+TRAINED_READS = (TOP_INPUT, NESTED_OUTPUT)
+
 # How vLLM picks `method` when --speculative-config omits it: substrings of the draft path, in order,
 # else draft_model. `vllm serve SPECULATORS_DIR` instead builds the whole config from the checkpoint.
 VLLM_METHOD_FROM_PATH = (("eagle-", "eagle"), ("eagle3", "eagle3"))
@@ -180,10 +184,16 @@ def engine_reading(engine: Engine, config: dict, defaults: tuple[int, ...]) -> R
 
 
 def describe(reading: Reading) -> str:
-    if reading.slot is None:
+    slot = reading.slot
+    if slot is None:
         return "no ids stored: the default 2, L//2, L-3"
-    shift = f" +{reading.slot.shift}" if reading.slot.shift else ", no shift"
-    return f"{reading.slot.label}={list(reading.stored)}{shift}"
+    if slot.shift:
+        how = f" +{slot.shift}"
+    elif slot.nested:
+        how = " taken raw as input ids (no +1, as SGLang adds)"
+    else:
+        how = ", no shift"
+    return f"{slot.label}={list(reading.stored)}{how}"
 
 
 def vllm_method(spec: dict[str, Any]) -> tuple[str, str]:

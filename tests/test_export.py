@@ -60,6 +60,20 @@ def test_export_bf16(target, tmp_path):
     assert config_of(result.path)["torch_dtype"] == "bfloat16"
 
 
+@pytest.mark.parametrize("ids", [DEFAULT_IDS, (1, 3, 6)])
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_every_engine_reads_the_trained_ids_from_our_export(target, tmp_path, fmt, ids):
+    """engines.py's readings of each export: every engine that loads the layout captures `ids`
+    (the default ids too: vLLM would take a lone eagle_config list raw, one layer early)."""
+    from eagle3.engines import ENGINES, engine_reading
+    path = save_draft(tiny_draft(target, ids=ids), tmp_path / fmt, fmt, target.config)
+    config = config_of(path)
+    readers = [e for e in ENGINES.values() if fmt in e.layouts]
+    assert readers
+    for engine in readers:
+        assert engine_reading(engine, config, DEFAULT_IDS).ids == ids, engine.label
+
+
 # ---------------------------------------------------------------------------- export_main
 def test_export_main_writes_both_layouts(target, target_dir, tmp_path, capsys):
     src = save_draft(tiny_draft(target), tmp_path / "src", "eagle", target.config)

@@ -39,7 +39,8 @@ EMBED_ATTRS = ("embed_tokens", "wte", "word_embeddings")
 # ---------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class TargetConfig:
-    """The subset of ModelConfig that a generic target can state (same field names)."""
+    """The subset of ModelConfig that a generic target can state (same field names; its facts for the
+    exporter and the doctor: models.target.TargetFacts.of(config))."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -253,7 +254,7 @@ def check_loading_info(hf_dir: Path, info: dict) -> None:
 
 # ---------------------------------------------------------------------------- target
 class HFTarget(nn.Module):
-    """A transformers causal LM with LlamaModel's interface: config, new_cache, forward.
+    """A transformers causal LM behind the models.target.Target protocol (LlamaModel's interface).
 
     `model` may be the causal LM itself or any wrapper around it. Weights stay where they are.
     """
@@ -300,6 +301,11 @@ class HFTarget(nn.Module):
     @property
     def embed_tokens(self) -> nn.Embedding:
         return _child(self.decoder, EMBED_ATTRS)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the inputs go: the device of the token embedding."""
+        return self.embed_tokens.weight.device
 
     @property
     def lm_head(self) -> nn.Module:

@@ -22,6 +22,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from ..engines import NESTED_OUTPUT, TOP_INPUT
 from ..errors import ContractError, Eagle3Error
 from .launch import DraftFacts, TargetFacts, lint_launch, read_json
 from .report import Check, DoctorReport, failed, from_error, passed, warned
@@ -167,10 +168,7 @@ def launch_facts(pair: Pair) -> tuple[Optional[DraftFacts], Optional[TargetFacts
         i = pair.info
         draft = DraftFacts(i.algorithm, tuple(i.aux_layer_ids), i.vocab_size, i.draft_vocab_size,
                            pair.draft_config or {}, i.path)
-    target = None
-    if pair.target is not None:
-        c = pair.target.config
-        target = TargetFacts(c.num_layers, c.vocab_size, c.hidden_size, pair.target_path)
+    target = None if pair.target is None else TargetFacts.of(pair.target.config, pair.target_path)
     return draft, target
 
 
@@ -286,8 +284,8 @@ def shift_hint(pair: Pair, settings: ProbeSettings, tau: float) -> Optional[str]
         return None
     return (f"with layer ids {list(best[0])} instead of {list(cfg.aux_layer_ids)} tau rises to "
             f"{best[1]:.2f}: the stored ids are in the other convention. Store "
-            f"eagle_config.eagle_aux_hidden_state_layer_ids = {[i - 1 for i in best[0]]} (output "
-            f"convention) or top-level = {list(best[0])} (input convention)")
+            f"{NESTED_OUTPUT.label} = {NESTED_OUTPUT.as_stored(best[0])} (output convention) and "
+            f"{TOP_INPUT.label} = {TOP_INPUT.as_stored(best[0])} (input convention)")
 
 
 def shifted_draft(draft: Any, ids: tuple[int, ...]) -> Any:
