@@ -58,6 +58,10 @@ class IdsSlot:
         return f"{NESTED_KEY}.{IDS_KEY}" if self.nested else f"top-level {IDS_KEY}"
 
     @property
+    def meaning(self) -> str:
+        return "input to layer i" if self.numbering == INPUT else "output of layer i"
+
+    @property
     def shift(self) -> int:
         """Added to a stored id to get the input id."""
         return 1 if self.numbering == OUTPUT else 0

@@ -126,7 +126,7 @@ def ids_fix(engine: str, ids: tuple[int, ...], draft_path: Optional[str] = None,
     export = (f"eagle3 export --draft {draft_path or 'DRAFT'} --target {target_path or 'TARGET'} "
               f"--out OUT --format {spec.export_format}")
     fix = (f"export the {spec.export_format} layout with `{export}`, or set {slot.label} = "
-           f"{slot.as_stored(ids)} ({slot.numbering} of layer i, {spec.label}'s reading) in the "
+           f"{slot.as_stored(ids)} ({slot.meaning}, {spec.label}'s reading) in the "
            "draft's config.json")
     return "; ".join((fix, *spec.notes))
 

@@ -90,7 +90,7 @@ def engine_layer_ids(ids: tuple[int, ...]) -> dict[str, str]:
     out: dict[str, str] = {}
     for slot in dict.fromkeys(e.reads[0] for e in SERVING):
         who = "/".join(e.label for e in SERVING if e.reads[0] == slot)
-        out[f"{who} {slot.label} ({slot.numbering} of layer i)"] = str(slot.as_stored(ids))
+        out[f"{who} {slot.label} ({slot.meaning})"] = str(slot.as_stored(ids))
     return out
 
 
