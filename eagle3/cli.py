@@ -48,6 +48,7 @@ def generate_cmd(args: argparse.Namespace) -> int:
 
 def info_cmd(args: argparse.Namespace) -> int:
     from .models import ModelConfig
+    from .engines import NESTED_OUTPUT
     from .runtime.loader import read_hf_config, resolve_model
     src = resolve_model(args.model)
     cfg = ModelConfig.from_hf(read_hf_config(src.hf_dir))
@@ -57,7 +58,8 @@ def info_cmd(args: argparse.Namespace) -> int:
             ("intermediate", cfg.intermediate_size), ("vocab", cfg.vocab_size),
             ("tied embeddings", cfg.tie_word_embeddings), ("rope", cfg.rope),
             ("default capture ids (input to layer i)", list(cfg.default_aux_layer_ids)),
-            ("same ids, output-of-layer convention", [i - 1 for i in cfg.default_aux_layer_ids])]
+            ("same ids, output-of-layer convention (SpecForge eagle_config)",
+             NESTED_OUTPUT.as_stored(cfg.default_aux_layer_ids))]
     from .kernels import why
     rows.append(("CPU small-M linear kernels", why()))
     width = max(len(k) for k, _ in rows)

@@ -45,12 +45,14 @@ def dataset_command(d: Path) -> str:
 
 
 def layer_ids(draft: Path) -> str:
+    from eagle3.engines import NESTED_OUTPUT, TOP_INPUT
     hf = json.loads((draft / "config.json").read_text())
-    out_ids = hf.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+    out_ids, in_ids = NESTED_OUTPUT.stored(hf), TOP_INPUT.stored(hf)
     if out_ids is None:
         return "the defaults 2, L//2, L-3 (input to layer i)"
-    return (f"input to layers {[i + 1 for i in out_ids]} (stored in eagle_config in SpecForge's "
-            f"output-of-layer numbering as {out_ids})")
+    top = "" if in_ids is None else f", and at the top level as {list(in_ids)} for vLLM and llama.cpp"
+    return (f"input to layers {list(NESTED_OUTPUT.as_input(out_ids))} (stored in eagle_config in "
+            f"SpecForge's output-of-layer numbering as {list(out_ids)}{top})")
 
 
 def phase_summary(run: Path, ckpt: dict | None = None) -> dict:

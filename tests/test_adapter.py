@@ -264,3 +264,14 @@ def test_real_smollm2_through_the_adapter_matches_native(real_model):
     outs = [Engine(t, tokenizer, max_model_len=64).generate(prompt_ids=ids, params=params).token_ids
             for t in (native, generic)]
     assert outs[0] == outs[1]
+
+
+def test_hf_target_satisfies_the_target_protocol():
+    """models.target.Target: every member the engine and the decoders use, device included."""
+    from eagle3.models.target import Target, TargetFacts
+    target = HFTarget(tiny_deepseek())
+    members = [n for n in vars(Target) if not n.startswith("_")] + ["config", "embed_tokens", "lm_head"]
+    assert all(hasattr(target, n) for n in members), [n for n in members if not hasattr(target, n)]
+    assert target.device == target.embed_tokens.weight.device
+    facts = TargetFacts.of(target.config)
+    assert (facts.num_layers, facts.architecture) == (8, "DeepseekV3ForCausalLM")

@@ -9,7 +9,7 @@ from eagle3.errors import ContractError, InputError
 from eagle3.draft.contract import check_pair, normalize_algorithm, run_checks
 from eagle3.draft.formats import load_draft, save_draft
 
-from test_formats import edit_config, tiny_draft, tiny_target
+from test_formats import edit_config, specforge_native, tiny_draft, tiny_target
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_fc_width_not_matching_captured_layers(target):
 
 
 def test_config_ids_not_matching_fc_at_load(target, tmp_path):
-    out = save_draft(tiny_draft(target), tmp_path / "sf", "specforge", target.config)
+    out = specforge_native(save_draft(tiny_draft(target), tmp_path / "sf", "specforge", target.config))
     edit_config(out, lambda hf: hf["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 2, 3, 4]))
     with pytest.raises(ContractError, match="fc.weight input width: found 96, expected '4 layers"):
         load_draft(out, target.config)
@@ -80,7 +80,7 @@ def test_layer_ids_out_of_range(target):
 
 
 def test_draft_for_a_deeper_target_is_out_of_range(target, tmp_path):
-    out = save_draft(tiny_draft(target), tmp_path / "sf", "specforge", target.config)
+    out = specforge_native(save_draft(tiny_draft(target), tmp_path / "sf", "specforge", target.config))
     edit_config(out, lambda hf: hf["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 14, 26]))
     draft, info = load_draft(out, target=target)
     assert info.aux_layer_ids == (2, 15, 27)

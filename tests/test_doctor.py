@@ -216,6 +216,20 @@ def test_custom_ids_only_in_eagle_config_are_dropped_by_llama_cpp_and_vllm(tmp_p
     assert by_name(report, "launch.sglang.layer_ids")[0].status == "pass"   # SGLang reads them
 
 
+def test_vllm_runs_a_specforge_draft_one_layer_early(tmp_path, target_dir, target):
+    """#21: a SpecForge-layout draft (ids only in eagle_config, output numbering) trained on the
+    defaults [2, 4, 5]: vLLM takes eagle_config [1, 3, 4] raw and captures one layer early."""
+    draft_dir = write_draft(tmp_path, copy_draft(target), "d", target=target,
+                            edit=lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))
+    report = run_doctor(str(target_dir), draft_dir, [vllm(target_dir, draft_dir),
+                                                     sglang(target_dir, draft_dir)], probe=False)
+    assert_fails(report, "launch.vllm.layer_ids", "--format speculators")
+    check = by_name(report, "launch.vllm.layer_ids")[0]
+    assert "[1, 3, 4]" in check.message and "trained on [2, 4, 5]" in check.message
+    assert "top-level eagle_aux_hidden_state_layer_ids = [2, 4, 5]" in check.fix
+    assert by_name(report, "launch.sglang.layer_ids")[0].status == "pass"   # SGLang adds 1
+
+
 def test_top_level_ids_are_shifted_by_sglang(tmp_path, target_dir, target):
     draft_dir = write_draft(tmp_path, copy_draft(target, ids=(1, 4, 6)), "d", "speculators",
                             target=target)

@@ -1,6 +1,8 @@
 """The launch-line linter on real-looking SGLang, vLLM and llama.cpp lines (no files needed)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from eagle3.doctor.cmdline import parse_line
@@ -29,6 +31,9 @@ LLAMA_DRAFT = DraftFacts("eagle3", (2, 16, 29), 128256, 32000,
                           "num_hidden_layers": 1,
                           "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}})
 LLAMA = TargetFacts(32, 128256, 4096)
+# the same draft as `eagle3 export` writes it: the ids also at the top level, in vLLM's numbering
+LLAMA_DRAFT_EXPORTED = DraftFacts("eagle3", (2, 16, 29), 128256, 32000, {
+    **LLAMA_DRAFT.config, "eagle_aux_hidden_state_layer_ids": [2, 16, 29]})
 
 
 def statuses(checks, name):
@@ -95,7 +100,7 @@ def test_vllm_method_explicit_and_guessed(spec, status, method):
 def test_vllm_dotted_old_and_broken_spellings():
     dotted = ("vllm serve m --speculative-config.method eagle3 --speculative-config.model d "
               "--speculative_config.num_speculative_tokens 4")
-    assert all(c.status == "pass" for c in lint_launch(dotted, LLAMA_DRAFT, LLAMA))
+    assert all(c.status == "pass" for c in lint_launch(dotted, LLAMA_DRAFT_EXPORTED, LLAMA))
     old = ("python -m vllm.entrypoints.openai.api_server --model m --speculative-model "
            "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B --num-speculative-tokens 3")
     checks = lint_launch(old, LLAMA_DRAFT, LLAMA)
@@ -109,15 +114,16 @@ def test_vllm_dotted_old_and_broken_spellings():
     assert statuses(lint_launch(plain), "launch.vllm.speculative_config") == ["fail"]
 
 
-def test_vllm_reads_only_top_level_ids():
-    """A SpecForge draft with custom ids only in eagle_config: vLLM captures the defaults."""
+def test_vllm_reads_a_lone_eagle_config_raw():
+    """A SpecForge draft with custom ids only in eagle_config: vLLM takes them as input ids (#21)."""
     custom = DraftFacts("eagle3", (4, 16, 30), 128256, 32000, {
         "draft_vocab_size": 32000, "num_hidden_layers": 1,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 15, 29]}})
     line = ("vllm serve m --speculative-config "
             "'{\"method\": \"eagle3\", \"model\": \"d\", \"num_speculative_tokens\": 3}'")
     ids = only(lint_launch(line, custom, LLAMA), "launch.vllm.layer_ids")
-    assert ids.status == "fail" and "[2, 16, 29]" in ids.message and "[4, 16, 30]" in ids.fix
+    assert ids.status == "fail" and "[4, 16, 30]" in ids.fix
+    assert "captures inputs of layers [3, 15, 29]" in ids.message
 
 
 def test_llama_cpp_server_and_convert_lines():
@@ -138,11 +144,51 @@ def test_not_an_engine_line():
 def test_engine_views_of_the_same_config():
     cfg = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
     assert engine_ids("sglang", cfg, 32).ids == (2, 16, 29)
-    assert engine_ids("vllm", cfg, 32).ids == (2, 16, 29)            # defaults, coincidence
+    assert engine_ids("vllm", cfg, 32).ids == (1, 15, 28)            # taken raw: one layer early
     cfg = {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}         # output ids written top-level
     assert engine_ids("vllm", cfg, 32).ids == (1, 15, 28)            # read as inputs: off by one
     assert engine_ids("llama.cpp", cfg, 32).ids == (1, 15, 28)
     assert engine_ids("sglang", cfg, 32).ids == (2, 16, 29)
+
+
+def specforge_dir(tmp_path, ids) -> str:
+    """A SpecForge-layout draft config on disk: the ids only in eagle_config (output of layer i)."""
+    path = tmp_path / "draft"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 32000, "num_hidden_layers": 1,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(ids)}}))
+    return str(path)
+
+
+def test_vllm_fails_a_specforge_draft_one_layer_early(tmp_path):
+    """#21: trained on inputs [2, 15, 27] (stored [1, 14, 26]); vLLM 0.32-0.33 captures [1, 14, 26]."""
+    draft = specforge_dir(tmp_path, [1, 14, 26])
+    line = ("vllm serve TARGET --speculative-config "
+            f"'{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'")
+    ids = only(lint_launch(line, None, TargetFacts(30, 49152, 576)), "launch.vllm.layer_ids")
+    assert ids.status == "fail", ids
+    assert "[1, 14, 26]" in ids.message and "[2, 15, 27]" in ids.message
+    assert "--format speculators" in ids.fix
+    assert "top-level eagle_aux_hidden_state_layer_ids = [2, 15, 27]" in ids.fix
+    sglang = (f"python -m sglang.launch_server --model-path TARGET --speculative-algorithm EAGLE3 "
+              f"--speculative-draft-model-path {draft}")
+    assert only(lint_launch(sglang, None, TargetFacts(30, 49152, 576)),
+                "launch.sglang.layer_ids").status == "pass"          # SGLang adds 1
+
+
+def test_vllm_serves_a_speculators_checkpoint_by_itself(tmp_path):
+    path = tmp_path / "spec"
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+        "eagle_aux_hidden_state_layer_ids": [2, 16, 29],
+        "speculators_config": {"algorithm": "eagle3", "verifier": {"name_or_path": "meta/llama"},
+                               "proposal_methods": [{"speculative_tokens": 3}]}}))
+    checks = lint_launch(f"vllm serve {path}", None, LLAMA)
+    assert only(checks, "launch.vllm.speculative_config").status == "pass"
+    assert only(checks, "launch.vllm.method").status == "pass"
+    assert only(checks, "launch.vllm.layer_ids").status == "pass"
 
 
 def test_tree_rules():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from eagle3.export.writer import export_draft, export_main, launch_lines
-from eagle3.draft.formats import TargetInfo, load_draft, save_draft
+from eagle3.draft.formats import load_draft, save_draft
+from eagle3.models.target import TargetFacts
 
 from test_formats import DEFAULT_IDS, TARGET_HF, edit_config, tiny_draft, tiny_target
 
@@ -39,7 +40,7 @@ def config_of(path: Path) -> dict:
 @pytest.mark.parametrize("fmt", ["specforge", "speculators"])
 def test_export_reads_back(target, tmp_path, fmt):
     draft = tiny_draft(target)
-    result = export_draft(draft, tmp_path / fmt, fmt, TargetInfo(target.config, "t"))
+    result = export_draft(draft, tmp_path / fmt, fmt, target.config, target_path="t")
     assert (result.format, result.info.format, result.info.aux_layer_ids) == (fmt, fmt, DEFAULT_IDS)
     loaded, _ = load_draft(result.path, target=target)
     assert torch.equal(loaded.lm_head.weight, draft.lm_head.weight)
@@ -49,14 +50,28 @@ def test_export_refuses_a_broken_pair(target, tmp_path):
     from eagle3.errors import ContractError
     with pytest.raises(ContractError, match="aux_layer_ids"):
         export_draft(tiny_draft(target, ids=(2, 4, 9)), tmp_path / "x", "specforge",
-                     TargetInfo(target.config))
+                     target.config)
     assert not (tmp_path / "x").exists()
 
 
 def test_export_bf16(target, tmp_path):
     result = export_draft(tiny_draft(target), tmp_path / "bf", "speculators",
-                          TargetInfo(target.config), dtype=torch.bfloat16)
+                          target.config, dtype=torch.bfloat16)
     assert config_of(result.path)["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("ids", [DEFAULT_IDS, (1, 3, 6)])
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_every_engine_reads_the_trained_ids_from_our_export(target, tmp_path, fmt, ids):
+    """engines.py's readings of each export: every engine that loads the layout captures `ids`
+    (the default ids too: vLLM would take a lone eagle_config list raw, one layer early)."""
+    from eagle3.engines import ENGINES, engine_reading
+    path = save_draft(tiny_draft(target, ids=ids), tmp_path / fmt, fmt, target.config)
+    config = config_of(path)
+    readers = [e for e in ENGINES.values() if fmt in e.layouts]
+    assert readers
+    for engine in readers:
+        assert engine_reading(engine, config, DEFAULT_IDS).ids == ids, engine.label
 
 
 # ---------------------------------------------------------------------------- export_main
@@ -68,7 +83,7 @@ def test_export_main_writes_both_layouts(target, target_dir, tmp_path, capsys):
     assert rc == 0
     sf, sp = config_of(tmp_path / "out/specforge"), config_of(tmp_path / "out/speculators")
     assert sf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert "eagle_aux_hidden_state_layer_ids" not in sf  # defaults: every engine agrees already
+    assert sf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # else vLLM reads eagle_config raw (#21)
     assert sp["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert sp["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert sp["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
@@ -177,7 +192,7 @@ def test_llama_cpp_converter_reads_our_exports(tmp_path, fmt):
     draft.d2t.copy_(used - torch.arange(2048))
     draft.t2d.zero_()
     draft.t2d[used] = True
-    ddir = save_draft(draft, tmp_path / fmt, fmt, TargetInfo(cfg, str(src.hf_dir)))
+    ddir = save_draft(draft, tmp_path / fmt, fmt, TargetFacts.of(cfg, str(src.hf_dir)))
     paths = [str(lcpp / "gguf-py"), os.environ.get("EAGLE3_EXTRA_PYTHONPATH", "")]
     proc = subprocess.run([sys.executable, str(lcpp / "convert_hf_to_gguf.py"), str(ddir),
                            "--target-model-dir", str(src.hf_dir), "--outfile", str(tmp_path / "d.gguf")],
@@ -199,8 +214,8 @@ def test_real_smollm2_export(tmp_path, capsys):
     from eagle3.runtime.loader import resolve_model
     from eagle3.draft.model import DraftConfig, Eagle3Draft
     src = resolve_model(None)
-    cfg = TargetInfo(ModelConfig.from_hf(config_of(src.hf_dir)), str(src.hf_dir))
-    draft = Eagle3Draft(DraftConfig.for_target(cfg.config, draft_vocab_size=2048))
+    cfg = ModelConfig.from_hf(config_of(src.hf_dir))
+    draft = Eagle3Draft(DraftConfig.for_target(cfg, draft_vocab_size=2048))
     draft.t2d[2048:] = False  # draft ids 0..2047 = target ids 0..2047 (d2t all zero)
     start = save_draft(draft, tmp_path / "d", "eagle", cfg)
     assert export_main(["--draft", str(start), "--out", str(tmp_path / "o")]) == 0

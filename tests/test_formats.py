@@ -12,7 +12,8 @@ from eagle3.errors import ContractError, LoadError, UnsupportedError
 from eagle3.models.config import ModelConfig
 from eagle3.models.llama import LlamaModel
 from eagle3.draft.model import DraftConfig, Eagle1Draft, Eagle3Draft
-from eagle3.draft.formats import TargetInfo, attach_target, inspect_draft, load_draft, save_draft
+from eagle3.draft.formats import attach_target, inspect_draft, load_draft, save_draft
+from eagle3.models.target import TargetFacts
 
 TARGET_HF = {"architectures": ["LlamaForCausalLM"], "vocab_size": 64, "hidden_size": 32,
              "intermediate_size": 64, "num_hidden_layers": 8, "num_attention_heads": 4,
@@ -71,6 +72,12 @@ def edit_config(path: Path, fn) -> None:
     (path / "config.json").write_text(json.dumps(hf))
 
 
+def specforge_native(path: Path) -> Path:
+    """What SpecForge's own exporter writes: the ids only in eagle_config (output of layer i)."""
+    edit_config(path, lambda hf: hf.pop("eagle_aux_hidden_state_layer_ids"))
+    return path
+
+
 def edit_weights(path: Path, fn) -> None:
     state = load_file(str(path / "model.safetensors"))
     fn(state)
@@ -87,7 +94,7 @@ def pair():
 @pytest.mark.parametrize("fmt", ["specforge", "speculators", "eagle"])
 def test_round_trip_same_outputs(pair, tmp_path, fmt):
     target, draft = pair
-    save_draft(draft, tmp_path / fmt, fmt, TargetInfo(target.config, "tiny-target"))
+    save_draft(draft, tmp_path / fmt, fmt, TargetFacts.of(target.config, "tiny-target"))
     draft2, info = load_draft(tmp_path / fmt, target=target)
     assert (info.format, info.algorithm, info.aux_layer_ids) == (fmt, "eagle3", DEFAULT_IDS)
     assert info.embedding_source == "target" and info.embedding_attached
@@ -133,7 +140,8 @@ def test_specforge_ids_are_output_convention(pair, tmp_path):
     out = save_draft(draft, tmp_path / "sf", "specforge", target.config)
     hf = json.loads((out / "config.json").read_text())
     assert hf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert "eagle_aux_hidden_state_layer_ids" not in hf  # defaults: nothing extra at top level
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # always: vLLM reads a lone eagle_config raw
+    specforge_native(out)
     info = inspect_draft(out, target.config).info
     assert (info.layer_id_convention, info.stored_layer_ids, info.aux_layer_ids) == \
         ("output", (1, 3, 4), DEFAULT_IDS)
@@ -186,7 +194,7 @@ def test_eagle_layout_refuses_custom_ids(tmp_path):
 
 def test_off_by_one_is_noted(pair, tmp_path):
     target, draft = pair
-    out = save_draft(draft, tmp_path / "sf", "specforge", target.config)
+    out = specforge_native(save_draft(draft, tmp_path / "sf", "specforge", target.config))
     edit_config(out, lambda hf: hf["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 4, 5]))
     info = inspect_draft(out, target.config).info
     assert info.aux_layer_ids == (3, 5, 6)
@@ -308,7 +316,7 @@ def test_speculators_without_norm_before_residual_is_ambiguous(pair, tmp_path):
 
 def test_speculators_layout_on_disk(pair, tmp_path):
     target, draft = pair
-    out = save_draft(draft, tmp_path / "sp", "speculators", TargetInfo(target.config, "/models/t"),
+    out = save_draft(draft, tmp_path / "sp", "speculators", TargetFacts.of(target.config, "/models/t"),
                      speculative_tokens=5)
     hf = json.loads((out / "config.json").read_text())
     assert hf["architectures"] == ["Eagle3Speculator"] and hf["speculators_model_type"] == "eagle3"

@@ -1,17 +1,15 @@
 """Targets without a native model: the generic Hugging Face adapter, chosen automatically."""
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 
 from ..errors import UnsupportedError
 from ..models.config import ModelConfig
-from ..models.llama import LlamaModel
+from ..models.target import Target
 from ..runtime.loader import load_model, read_hf_config, resolve_model
 from .hf import HFCache, HFTarget, TargetConfig, find_decoder, load_hf_model
-
-Target = Union[LlamaModel, HFTarget]
 
 
 def load_target(spec: Optional[str], device: str | torch.device = "cpu",

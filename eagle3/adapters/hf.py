@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..errors import ContractError, LoadError, UnsupportedError
-from ..models.config import RopeConfig, check_capture_ids
+from ..models.config import RopeConfig, check_capture_ids, default_capture_ids
 from ..models.llama import ForwardOutput
 from ..models.kv_cache import check_room
 
@@ -39,7 +39,8 @@ EMBED_ATTRS = ("embed_tokens", "wte", "word_embeddings")
 # ---------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class TargetConfig:
-    """The subset of ModelConfig that a generic target can state (same field names)."""
+    """The subset of ModelConfig that a generic target can state (same field names; its facts for the
+    exporter and the doctor: models.target.TargetFacts.of(config))."""
     architecture: str
     vocab_size: int
     hidden_size: int
@@ -82,9 +83,7 @@ class TargetConfig:
 
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
-        """EAGLE-3 default capture ids in the "input to layer i" convention: 2, L//2, L-3."""
-        n = self.num_layers
-        return (2, n // 2, n - 3)
+        return default_capture_ids(self.num_layers)
 
 
 def _native_rope(text_cfg: Any) -> Optional[RopeConfig]:
@@ -255,7 +254,7 @@ def check_loading_info(hf_dir: Path, info: dict) -> None:
 
 # ---------------------------------------------------------------------------- target
 class HFTarget(nn.Module):
-    """A transformers causal LM with LlamaModel's interface: config, new_cache, forward.
+    """A transformers causal LM behind the models.target.Target protocol (LlamaModel's interface).
 
     `model` may be the causal LM itself or any wrapper around it. Weights stay where they are.
     """
@@ -305,6 +304,7 @@ class HFTarget(nn.Module):
 
     @property
     def device(self) -> torch.device:
+        """Where the inputs go: the device of the token embedding."""
         return self.embed_tokens.weight.device
 
     @property

@@ -5,8 +5,8 @@ Order of the checks (each a Check with pass/warn/fail, message and fix):
 | group    | what                                                                                |
 |----------|-------------------------------------------------------------------------------------|
 | target   | loads (native LlamaModel or the generic HF adapter); layers, hidden, vocab          |
-| draft    | format, algorithm, layer-id convention found, embedding source (spec/formats.py)     |
-| contract | hidden sizes, fc width, ids in range, vocab + d2t/t2d, rope/head_dim (spec/contract) |
+| draft    | format, algorithm, layer-id convention found, embedding source (draft/formats.py)    |
+| contract | hidden sizes, fc width, ids in range, vocab + d2t/t2d, rope/head_dim (draft/contract)|
 | launch   | the SGLang / vLLM / llama.cpp line, against the facts above (doctor/launch.py)      |
 | probe    | a few prompts through the speculative engine: tau, acceptance per position, equal   |
 |          | greedy output with and without the draft; tau near 1.0 fails with likely causes,    |
@@ -22,9 +22,10 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from ..engines import NESTED_OUTPUT, TOP_INPUT
 from ..errors import ContractError, Eagle3Error
 from .launch import DraftFacts, TargetFacts, lint_launch, read_json
-from .report import Check, DoctorReport, failed, passed, warned
+from .report import Check, DoctorReport, failed, from_error, passed, warned
 
 PROBE_PROMPTS = (
     "Explain in two sentences why the sky is blue.",
@@ -108,9 +109,7 @@ def load_draft_checked(pair: Pair, draft_path: Optional[str], algorithm: Optiona
         loaded = load_draft(draft_path, pair.target.config if pair.target is not None else None,
                             algorithm=algorithm)
     except ContractError as e:
-        name = "draft.algorithm" if e.field == "algorithm" else "draft.load"
-        report.checks.append(failed(name, f"{e.field}: found {e.found!r}, expected {e.expected!r}",
-                                    e.fix))
+        report.checks.append(from_error("draft.algorithm" if e.field == "algorithm" else "draft.load", e))
         return
     except Eagle3Error as e:
         report.checks.append(failed("draft.load", str(e), "see the message; `eagle3 export` "
@@ -148,29 +147,18 @@ def attach(pair: Pair, loaded: Any, report: DoctorReport) -> None:
     try:
         attached = attach_target(loaded, pair.target)
     except ContractError as e:
-        report.checks.append(failed("contract.embedding", f"{e.field}: found {e.found!r}, expected "
-                                    f"{e.expected!r}", e.fix))
+        report.checks.append(from_error("contract.embedding", e))
         return
     pair.draft, pair.info = attached.draft, attached.info
 
 
 # ---------------------------------------------------------------------------- contract
-STATUS = {"ok": "pass", "warn": "warn", "error": "fail"}
-
-
 def contract_checks(pair: Pair) -> list[Check]:
-    """spec/contract.py's structured checks, in the doctor's vocabulary."""
+    """draft/contract.py's checks, named under contract.*."""
     from ..draft.contract import run_checks
-    out = []
-    for c in run_checks(pair.target.config, pair.draft, target=pair.target, info=pair.info):
-        if c.name == "embedding" and not pair.info.embedding_attached:
-            continue   # already reported by attach()
-        status = STATUS[c.status]
-        message = f"{c.field}: found {c.found!r}, expected {c.expected!r}"
-        if status == "pass":   # contract's embedding check carries its failure text in `found`
-            message = f"{c.field}: {c.expected if c.name == 'embedding' else repr(c.found)}"
-        out.append(Check(f"contract.{c.name.replace(' ', '_')}", status, message, c.fix))
-    return out
+    checks = run_checks(pair.target.config, pair.draft, target=pair.target, info=pair.info)
+    return [replace(c, name=f"contract.{c.name.replace(' ', '_')}") for c in checks
+            if c.name != "embedding" or pair.info.embedding_attached]   # else reported by attach()
 
 
 # ---------------------------------------------------------------------------- launch
@@ -180,10 +168,7 @@ def launch_facts(pair: Pair) -> tuple[Optional[DraftFacts], Optional[TargetFacts
         i = pair.info
         draft = DraftFacts(i.algorithm, tuple(i.aux_layer_ids), i.vocab_size, i.draft_vocab_size,
                            pair.draft_config or {}, i.path)
-    target = None
-    if pair.target is not None:
-        c = pair.target.config
-        target = TargetFacts(c.num_layers, c.vocab_size, c.hidden_size, pair.target_path)
+    target = None if pair.target is None else TargetFacts.of(pair.target.config, pair.target_path)
     return draft, target
 
 
@@ -299,8 +284,8 @@ def shift_hint(pair: Pair, settings: ProbeSettings, tau: float) -> Optional[str]
         return None
     return (f"with layer ids {list(best[0])} instead of {list(cfg.aux_layer_ids)} tau rises to "
             f"{best[1]:.2f}: the stored ids are in the other convention. Store "
-            f"eagle_config.eagle_aux_hidden_state_layer_ids = {[i - 1 for i in best[0]]} (output "
-            f"convention) or top-level = {list(best[0])} (input convention)")
+            f"{NESTED_OUTPUT.label} = {NESTED_OUTPUT.as_stored(best[0])} (output convention) and "
+            f"{TOP_INPUT.label} = {TOP_INPUT.as_stored(best[0])} (input convention)")
 
 
 def shifted_draft(draft: Any, ids: tuple[int, ...]) -> Any:

@@ -1,6 +1,7 @@
 """Parse serving command lines (SGLang, vLLM, llama.cpp) into canonical options, without running them.
 
-Option names are the engines' own, read from their sources:
+Option names are the engines' own, read from their sources (the option that names the algorithm is
+engines.py's `method_option`, with the algorithm names):
 - SGLang `python -m sglang.launch_server` (sglang/srt/arg_groups spec namespace): --model-path
   (alias --model), --speculative-algorithm, --speculative-draft-model-path (alias
   --speculative-draft-model), --speculative-num-steps, --speculative-eagle-topk,
@@ -21,6 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .. import engines
 from ..errors import InputError
 
 NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
@@ -41,7 +43,7 @@ def _table(groups: dict[str, tuple[str, ...]]) -> dict[str, str]:
 
 # SGLang's speculative option names (all of them, so that prefix ambiguity is judged like argparse).
 SGLANG_SPEC_NAMES = (
-    "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-draft-model-revision",
+    engines.SGLANG.method_option, "--speculative-draft-model-path", "--speculative-draft-model-revision",
     "--speculative-draft-load-format", "--speculative-num-steps", "--speculative-eagle-topk",
     "--speculative-num-draft-tokens", "--speculative-dflash-block-size",
     "--speculative-dspark-block-size", "--speculative-accept-threshold-single",
@@ -57,7 +59,7 @@ SGLANG = EngineSpec(
     name="sglang",
     options=_table({
         "model": ("--model-path", "--model"),
-        "algorithm": ("--speculative-algorithm",),
+        "algorithm": (engines.SGLANG.method_option,),
         "draft": ("--speculative-draft-model-path", "--speculative-draft-model"),
         "steps": ("--speculative-num-steps",),
         "topk": ("--speculative-eagle-topk",),
@@ -91,7 +93,7 @@ LLAMA_SERVER = EngineSpec(
         "model": ("-m", "--model"),
         "draft": ("-md", "--model-draft", "--spec-draft-model"),
         "draft_hf": ("--spec-draft-hf", "-hfd", "-hfrd", "--hf-repo-draft"),
-        "spec_type": ("--spec-type",),
+        "spec_type": (engines.LLAMA_CPP.method_option,),
         "n_max": ("--spec-draft-n-max",),
         "n_min": ("--spec-draft-n-min",),
         "removed_draft_n": ("--draft", "--draft-n", "--draft-max", "--draft-min", "--draft-n-min"),

@@ -1,21 +1,16 @@
 """Launch-line linter: what would silently break an EAGLE-3 deployment on SGLang, vLLM or llama.cpp.
 
-Each engine reads the draft's layer ids its own way (reference page, sections 2-3); every id below
-is in the "input to layer i" convention (= HF output_hidden_states[i]):
-
-| engine    | where it reads the ids                                   | what it captures            |
-|-----------|----------------------------------------------------------|-----------------------------|
-| SGLang    | eagle_config.eagle_aux_hidden_state_layer_ids (recent     | id + 1 (ids are outputs)    |
-|           | versions fall back to a top-level list)                  |                             |
-| vLLM      | top-level eagle_aux_hidden_state_layer_ids               | id (no shift)               |
-| llama.cpp | top-level list, read once by convert_hf_to_gguf.py;      | id (no shift); ids only in  |
-|           | baked into the GGUF as eagle3.target_layers              | eagle_config are dropped    |
-| all       | nothing stored                                           | default 2, L//2, L-3        |
+Where each engine reads the draft's layer ids, in which numbering, which layouts it loads and how its
+command line names the algorithm: the table in eagle3/engines.py (every id here is "input to layer i",
+= HF output_hidden_states[i]). The draft's own ids (what it was trained on) come from DraftFacts, or
+when the doctor has none, from the draft's config.json read as this project reads it.
 
 What it flags (each a Check with a fix): EAGLE-3 draft served as EAGLE (SGLang
 `--speculative-algorithm EAGLE`, vLLM `method: eagle` or a path that auto-detects as EAGLE-1), a
-missing draft, layer ids the engine will shift or drop, a draft for another vocabulary or target,
-tree settings that force a chain or cannot be built, removed or ambiguous options.
+missing draft, layer ids the engine will shift, read raw or drop (vLLM takes a lone eagle_config list
+raw: a SpecForge draft runs one layer early), a draft for another vocabulary or target, tree settings
+that force a chain or cannot be built (speculative/tree.py owns the tree shape rule), removed or
+ambiguous options.
 """
 from __future__ import annotations
 
@@ -24,10 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
+from ..engines import (EAGLE3_ARCHITECTURES, ENGINES, LLAMA_CPP, NESTED_KEY, SGLANG, SPECULATORS_KEY,
+                       TRAINED_READS, VLLM, Reading, describe, engine_reading, is_speculators,
+                       read_ids, speculators_spec, vllm_method)
+from ..errors import LoadError
+from ..models.config import default_capture_ids
+from ..models.target import TargetFacts
+from ..speculative.tree import max_candidates, tree_shape_problem
 from .cmdline import Command, parse_line
 from .report import Check, failed, passed, warned
 
-IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 EAGLE1_FIX = "this draft is EAGLE-1/2 (fc over cat(embedding, last hidden)); serve it as EAGLE"
 
 
@@ -40,18 +41,6 @@ class DraftFacts:
     draft_vocab_size: int
     config: dict[str, Any] = field(default_factory=dict)   # raw config.json, as engines read it
     path: Optional[str] = None
-
-
-@dataclass(frozen=True)
-class TargetFacts:
-    num_layers: int
-    vocab_size: int
-    hidden_size: int
-    path: Optional[str] = None
-
-
-def default_ids(num_layers: int) -> tuple[int, ...]:
-    return (2, num_layers // 2, num_layers - 3)
 
 
 # ---------------------------------------------------------------------------- reading local files
@@ -72,12 +61,10 @@ def read_target_facts(spec: Optional[str]) -> Optional[TargetFacts]:
     cfg = read_json(path / "config.json") if path.is_dir() else None
     if cfg is None:
         return None
-    text = {**cfg, **(cfg.get("text_config") or {})}
     try:
-        return TargetFacts(int(text["num_hidden_layers"]), int(text["vocab_size"]),
-                           int(text["hidden_size"]), str(path))
-    except (KeyError, TypeError, ValueError):
-        return None
+        return TargetFacts.from_hf(cfg, str(path))
+    except (LoadError, TypeError, ValueError):
+        return None   # the checks that need it say "unknown"
 
 
 def _gguf_fields(path: Path) -> Optional[dict]:
@@ -96,7 +83,7 @@ def _gguf_target(path: Path) -> Optional[TargetFacts]:
     try:
         return TargetFacts(int(fields[f"{arch}.block_count"].contents()),
                            len(fields["tokenizer.ggml.tokens"].data),
-                           int(fields[f"{arch}.embedding_length"].contents()), str(path))
+                           int(fields[f"{arch}.embedding_length"].contents()), arch, str(path))
     except KeyError:
         return None
 
@@ -113,38 +100,39 @@ def read_draft_config(spec: Optional[str]) -> Optional[dict]:
 class EngineIds:
     ids: tuple[int, ...]      # what the engine captures, "input to layer i"
     source: str               # how it got them
-    alternative: Optional[tuple[int, ...]] = None   # what other versions of the engine capture
+    alternative: Optional[tuple[int, ...]] = None   # what older releases of the engine capture
 
 
 def engine_ids(engine: str, config: dict, num_layers: int) -> EngineIds:
-    nested = (config.get("eagle_config") or {}).get(IDS_KEY)
-    top = config.get(IDS_KEY)
-    if engine == "sglang":
-        if nested:
-            return EngineIds(tuple(i + 1 for i in nested), f"eagle_config.{IDS_KEY}={list(nested)} +1")
-        if top:
-            return EngineIds(tuple(i + 1 for i in top), f"top-level {IDS_KEY}={list(top)} +1 (recent "
-                             "SGLang; older versions read only eagle_config)", default_ids(num_layers))
-        return EngineIds(default_ids(num_layers), "no ids stored: SGLang default")
-    if top:
-        return EngineIds(tuple(top), f"top-level {IDS_KEY}={list(top)}, no shift")
-    dropped = f" (eagle_config ids {list(nested)} are ignored)" if nested else ""
-    return EngineIds(default_ids(num_layers), f"no top-level ids: default 2, L//2, L-3{dropped}")
+    """What `engine` captures from a draft with this config.json, on a target of `num_layers`."""
+    spec, defaults = ENGINES[engine], default_capture_ids(num_layers)
+    now = engine_reading(spec, config, defaults)
+    older = read_ids(spec.older_reads, config, defaults) if spec.older_reads else now
+    return EngineIds(now.ids, describe(now), older.ids if older.ids != now.ids else None)
 
 
-def ids_fix(engine: str, ids: tuple[int, ...]) -> str:
-    if engine == "sglang":
-        return (f"set eagle_config.{IDS_KEY} = {[i - 1 for i in ids]} in the draft's config.json "
-                "(SGLang adds 1), or re-export with `eagle3 export --format specforge`")
-    if engine == "vllm":
-        return (f"set top-level {IDS_KEY} = {list(ids)} in the draft's config.json, or re-export "
-                "with `eagle3 export --format speculators`")
-    return (f"write top-level {IDS_KEY} = {list(ids)} into the draft's config.json, then re-run "
-            "convert_hf_to_gguf.py (ids only inside eagle_config are dropped)")
+def trained_ids(draft: Optional[DraftFacts], config: dict, num_layers: int) -> Reading:
+    """The ids the draft was trained on: the loader's reading, else the config read as we read it."""
+    if draft is not None:
+        return Reading(draft.aux_layer_ids, None, None)
+    return read_ids(TRAINED_READS, config, default_capture_ids(num_layers))
+
+
+def ids_fix(engine: str, ids: tuple[int, ...], draft_path: Optional[str] = None,
+            target_path: Optional[str] = None) -> str:
+    """Re-export for the engine, or write the ids where (and as) it reads them first."""
+    spec = ENGINES[engine]
+    slot = spec.reads[0]
+    export = (f"eagle3 export --draft {draft_path or 'DRAFT'} --target {target_path or 'TARGET'} "
+              f"--out OUT --format {spec.export_format}")
+    fix = (f"export the {spec.export_format} layout with `{export}`, or set {slot.label} = "
+           f"{slot.as_stored(ids)} ({slot.meaning}, {spec.label}'s reading) in the "
+           "draft's config.json")
+    return "; ".join((fix, *spec.notes))
 
 
 def check_ids(engine: str, draft: Optional[DraftFacts], config: Optional[dict],
-              target: Optional[TargetFacts]) -> list[Check]:
+              target: Optional[TargetFacts], draft_path: Optional[str] = None) -> list[Check]:
     name = f"launch.{engine}.layer_ids"
     if draft is not None and draft.algorithm != "eagle3":
         return []
@@ -153,23 +141,22 @@ def check_ids(engine: str, draft: Optional[DraftFacts], config: Optional[dict],
                              "target layer count unknown)",
                        "pass --draft and --target (local paths) to eagle3 doctor")]
     view = engine_ids(engine, config, target.num_layers)
+    trained = trained_ids(draft, config, target.num_layers)
+    label = ENGINES[engine].label
+    fix = ids_fix(engine, trained.ids, draft_path or (draft.path if draft else None), target.path)
     if any(not 0 <= i < target.num_layers for i in view.ids):
-        return [failed(name, f"{engine} would capture layers {list(view.ids)} ({view.source}); the "
-                             f"target has {target.num_layers} layers",
-                       ids_fix(engine, draft.aux_layer_ids if draft else default_ids(target.num_layers)))]
-    if draft is None:
-        return [passed(name, f"{engine} captures inputs of layers {list(view.ids)} ({view.source}); "
-                             "pass --draft to compare with what the draft was trained on")]
-    if view.ids != draft.aux_layer_ids:
-        return [failed(name, f"{engine} captures inputs of layers {list(view.ids)} ({view.source}) "
-                             f"but the draft was trained on {list(draft.aux_layer_ids)}: it runs and "
-                             "acceptance silently drops", ids_fix(engine, draft.aux_layer_ids))]
-    if view.alternative is not None and view.alternative != draft.aux_layer_ids:
-        return [warned(name, f"{engine} captures {list(view.ids)} ({view.source}); an older SGLang "
-                             f"would capture {list(view.alternative)}",
-                       ids_fix(engine, draft.aux_layer_ids))]
-    return [passed(name, f"{engine} captures inputs of layers {list(view.ids)} = the draft's "
-                         f"{list(draft.aux_layer_ids)} ({view.source})")]
+        return [failed(name, f"{label} would capture layers {list(view.ids)} ({view.source}); the "
+                             f"target has {target.num_layers} layers", fix)]
+    told = "" if draft is not None else f" (its config.json: {describe(trained)})"
+    if view.ids != trained.ids:
+        return [failed(name, f"{label} captures inputs of layers {list(view.ids)} ({view.source}) "
+                             f"but the draft was trained on {list(trained.ids)}{told}: it runs and "
+                             "acceptance silently drops", fix)]
+    if view.alternative is not None and view.alternative != trained.ids:
+        return [warned(name, f"{label} captures {list(view.ids)} ({view.source}); an older {label} "
+                             f"would capture {list(view.alternative)}", fix)]
+    return [passed(name, f"{label} captures inputs of layers {list(view.ids)} = the draft's "
+                         f"{list(trained.ids)}{told} ({view.source})")]
 
 
 # ---------------------------------------------------------------------------- shared checks
@@ -225,7 +212,7 @@ def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[Targ
     out += sglang_algorithm(o.get("algorithm"), draft)
     out += check_draft_path("sglang", o.get("draft"), draft, "--speculative-draft-model-path")
     config = (draft.config if draft and draft.config else None) or read_draft_config(o.get("draft"))
-    out += check_ids("sglang", draft, config, target)
+    out += check_ids("sglang", draft, config, target, o.get("draft"))
     out += check_vocab("sglang", draft, target)
     out += sglang_tree(o)
     return out
@@ -234,25 +221,25 @@ def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[Targ
 def sglang_algorithm(algo: Optional[str], draft: Optional[DraftFacts]) -> list[Check]:
     name = "launch.sglang.algorithm"
     if not algo:
-        return [failed(name, "--speculative-algorithm is not set: the server runs without "
-                             "speculation", "add --speculative-algorithm EAGLE3")]
-    algo_u = algo.upper()
-    if algo_u not in ("EAGLE", "EAGLE3"):
-        return [failed(name, f"--speculative-algorithm {algo} is not an EAGLE algorithm",
-                       "use --speculative-algorithm EAGLE3 for an EAGLE-3 draft")]
+        return [failed(name, f"{SGLANG.method_option} is not set: the server runs without "
+                             "speculation", f"add {SGLANG.method_option} {SGLANG.methods['eagle3']}")]
+    algo_u, flag = algo.upper(), SGLANG.method_option
+    if algo_u not in SGLANG.methods.values():
+        return [failed(name, f"{flag} {algo} is not an EAGLE algorithm",
+                       f"use {flag} {SGLANG.methods['eagle3']} for an EAGLE-3 draft")]
     if draft is None:
-        if algo_u == "EAGLE":
-            return [warned(name, "--speculative-algorithm EAGLE: if the draft is EAGLE-3 it gets one "
+        if algo_u == SGLANG.methods["eagle"]:
+            return [warned(name, f"{flag} {algo_u}: if the draft is EAGLE-3 it gets one "
                                  "hidden state instead of the fused layers and accepts nothing, "
                                  "with no error (the documented incident)",
-                           "use --speculative-algorithm EAGLE3 for EAGLE-3 drafts; pass --draft to check")]
-        return [passed(name, "--speculative-algorithm EAGLE3")]
-    want = "EAGLE3" if draft.algorithm == "eagle3" else "EAGLE"
+                           f"use {flag} {SGLANG.methods['eagle3']} for EAGLE-3 drafts; pass --draft "
+                           "to check")]
+        return [passed(name, f"{flag} {algo_u}")]
+    want = SGLANG.methods[draft.algorithm]
     if algo_u != want:
         return [failed(name, _algo_message(algo, draft),
-                       f"use --speculative-algorithm {want}" +
-                       ("" if want == "EAGLE3" else f" ({EAGLE1_FIX})"))]
-    return [passed(name, f"--speculative-algorithm {algo} matches the {want} draft")]
+                       f"use {flag} {want}" + ("" if draft.algorithm == "eagle3" else f" ({EAGLE1_FIX})"))]
+    return [passed(name, f"{flag} {algo} matches the {want} draft")]
 
 
 def _algo_message(flag: str, draft: DraftFacts) -> str:
@@ -301,11 +288,11 @@ def tree_consistency(name: str, steps: int, topk: int, num_draft_tokens: int) ->
                                       f"steps+1 = {steps + 1}",
                                 f"set --speculative-num-draft-tokens {steps + 1}"))
         return chain
-    reachable = topk + (steps - 1) * topk * topk
-    if num_draft_tokens - 1 > reachable:
-        return [failed(name, f"{shape}: {num_draft_tokens - 1} draft nodes requested but a tree of "
-                             f"that shape has only {reachable} candidates",
-                       f"lower --speculative-num-draft-tokens to <= {reachable + 1} or raise steps/topk")]
+    problem = tree_shape_problem(topk, steps, num_draft_tokens, max_draft_tokens=None)
+    if problem:
+        most = max_candidates(topk, steps)
+        return [failed(name, f"{shape}: {problem}",
+                       f"lower --speculative-num-draft-tokens to <= {most + 1} or raise steps/topk")]
     out = []
     if num_draft_tokens - 1 < steps:
         out.append(warned(name, f"{shape}: fewer nodes ({num_draft_tokens - 1}) than draft steps; the "
@@ -347,23 +334,25 @@ def vllm_spec(cmd: Command) -> tuple[dict[str, Any], list[Check]]:
     return spec, checks
 
 
-def vllm_method(spec: dict[str, Any]) -> tuple[str, str]:
-    """(method, how): vLLM guesses from the draft path when `method` is absent."""
-    if spec.get("method"):
-        return str(spec["method"]).lower(), "set explicitly"
-    model = str(spec.get("model") or "").lower()
-    if "eagle-" in model:
-        return "eagle", "guessed from the path ('eagle-' -> eagle)"
-    if "eagle3" in model:
-        return "eagle3", "guessed from the path ('eagle3' -> eagle3)"
-    return "draft_model", "no method and no 'eagle3' in the path -> draft_model"
+def speculators_served(model: Optional[str]) -> tuple[dict[str, Any], Optional[str], list[Check]]:
+    """`vllm serve SPECULATORS_DIR`: vLLM builds the speculative config from the checkpoint and
+    serves its verifier as the target. ({}, model, []) when `model` is not such a local directory."""
+    config = read_draft_config(model)
+    if config is None or not is_speculators(config):
+        return {}, model, []
+    spec, verifier = speculators_spec(config, str(model))
+    return spec, verifier, [passed("launch.vllm.speculative_config", f"{model} is a speculators "
+                                   f"checkpoint: vLLM serves its verifier {verifier} with "
+                                   f"{spec['method']} and this draft")]
 
 
 def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts]) -> list[Check]:
     model = cmd.options.get("model") or (cmd.positionals[0] if cmd.positionals else None)
+    spec, out = vllm_spec(cmd)
+    if not spec:
+        spec, model, out = speculators_served(model)
     line_target = read_target_facts(model)
     target = target or line_target
-    spec, out = vllm_spec(cmd)
     out += check_same_target("vllm", line_target, target)
     if any(c.status == "fail" for c in out):
         return out
@@ -376,7 +365,7 @@ def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[Target
     out += check_draft_path("vllm", spec.get("model"), draft, "\"model\" in --speculative-config")
     out += vllm_num_tokens(spec)
     config = (draft.config if draft and draft.config else None) or read_draft_config(spec.get("model"))
-    out += check_ids("vllm", draft, config, target)
+    out += check_ids("vllm", draft, config, target, spec.get("model"))
     out += check_vocab("vllm", draft, target)
     return out
 
@@ -384,8 +373,8 @@ def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[Target
 def vllm_method_check(spec: dict[str, Any], draft: Optional[DraftFacts]) -> list[Check]:
     name = "launch.vllm.method"
     method, how = vllm_method(spec)
-    want = None if draft is None else ("eagle3" if draft.algorithm == "eagle3" else "eagle")
-    if method not in ("eagle", "eagle3"):
+    want = None if draft is None else VLLM.methods[draft.algorithm]
+    if method not in VLLM.methods.values():
         return [failed(name, f"method {method} ({how}): the draft is not run as an EAGLE head",
                        f"set \"method\": \"{want or 'eagle3'}\" in --speculative-config")]
     if want is None:
@@ -450,11 +439,11 @@ def llama_spec_type(value: Optional[str], draft: Optional[DraftFacts]) -> list[C
                              "(only the first split is read)", "add --spec-type draft-eagle3")]
     types = [t.strip() for t in value.split(",")]
     eagle3 = draft is None or draft.algorithm == "eagle3"
-    if eagle3 and "draft-eagle3" not in types:
-        return [failed(name, f"--spec-type {value}: an EAGLE-3 draft is not run as draft-eagle3 "
-                             "(draft-simple treats it as a standalone LM)",
-                       "use --spec-type draft-eagle3")]
-    if not eagle3:
+    flag, want = LLAMA_CPP.method_option, LLAMA_CPP.methods["eagle3"]
+    if eagle3 and want not in types:
+        return [failed(name, f"{flag} {value}: an EAGLE-3 draft is not run as {want} "
+                             "(draft-simple treats it as a standalone LM)", f"use {flag} {want}")]
+    if draft is not None and draft.algorithm not in LLAMA_CPP.methods:
         return [failed(name, "llama.cpp runs EAGLE-3 drafts only (draft-eagle3); this draft is "
                              "EAGLE-1/2", "serve EAGLE-1/2 drafts with SGLang (EAGLE) or vLLM (eagle)")]
     return [passed(name, f"--spec-type {value}")]
@@ -520,15 +509,14 @@ def lint_llama_convert(cmd: Command, draft: Optional[DraftFacts], target: Option
     config = (draft.config if draft and draft.config else None) or read_draft_config(model_dir)
     if config is not None:
         out += convert_detection(config)
-    out += check_ids("llama.cpp", draft, config, target)
+    out += check_ids("llama.cpp", draft, config, target, model_dir)
     return out
 
 
 def is_draft_config(cfg: dict) -> bool:
     arch = (cfg.get("architectures") or [""])[0]
-    return any(k in cfg for k in ("draft_vocab_size", "eagle_config", "speculators_model_type")) \
-        or arch in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator") \
-        or cfg.get("num_hidden_layers") == 1
+    return any(k in cfg for k in ("draft_vocab_size", NESTED_KEY, SPECULATORS_KEY)) \
+        or arch in EAGLE3_ARCHITECTURES or cfg.get("num_hidden_layers") == 1
 
 
 def convert_kind(model_dir: Optional[str], target_dir: Optional[str],

@@ -1,37 +1,15 @@
-"""Doctor results as data: one Check per finding, a report that prints as a table or as JSON."""
+"""Doctor results as data: one eagle3.checks.Check per finding, a report that prints as a table or as
+JSON."""
 from __future__ import annotations
 
 import json
 import textwrap
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-STATUSES = ("pass", "warn", "fail")
+from ..checks import Check, failed, from_error, passed, warned
 
-
-@dataclass(frozen=True)
-class Check:
-    name: str        # dotted, e.g. "draft.algorithm", "launch.sglang.algorithm"
-    status: str      # pass | warn | fail
-    message: str     # what was found, with both values
-    fix: str = ""    # what to change (empty on pass)
-
-    def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"check {self.name}: status {self.status!r} not in {STATUSES}")
-
-
-def passed(name: str, message: str) -> Check:
-    return Check(name, "pass", message)
-
-
-def warned(name: str, message: str, fix: str) -> Check:
-    return Check(name, "warn", message, fix)
-
-
-def failed(name: str, message: str, fix: str) -> Check:
-    return Check(name, "fail", message, fix)
-
+__all__ = ["Check", "DoctorReport", "failed", "from_error", "passed", "warned"]
 
 @dataclass
 class DoctorReport:
@@ -60,7 +38,7 @@ class DoctorReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "failures": len(self.failures), "warnings": len(self.warnings),
-                "checks": [asdict(c) for c in self.checks], "facts": self.facts,
+                "checks": [c.as_dict() for c in self.checks], "facts": self.facts,
                 "probe": self.probe}
 
     def to_json(self) -> str:

@@ -1,7 +1,7 @@
 """The target/draft contract, checked where a draft meets its target.
 
-Each check compares one field of the pair and yields a Check (ok | warn | error) that carries the field, the
-value found, the value expected and the fix. `run_checks` returns them all (for `eagle3 doctor`);
+Each check compares one field of the pair and yields an eagle3.checks.Check (pass | warn | fail) that
+carries the field, the value found, the value expected and the fix. `run_checks` returns them all (for `eagle3 doctor`);
 `check_pair` raises the first error as a ContractError and returns the warnings.
 
 | check        | rule                                                                                   |
@@ -21,11 +21,12 @@ DraftBase.check_features (draft.py): the silent skip of fc behind the zero-accep
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from ..checks import Check, compared, from_error
+from ..engines import IDS_KEY, SGLANG, VLLM
 from ..errors import ContractError, InputError
 from ..models.config import ModelConfig
 
@@ -36,11 +37,12 @@ if TYPE_CHECKING:
 ALGORITHM_NAMES = {"eagle3": "eagle3", "eagle-3": "eagle3", "eagle_3": "eagle3",
                    "eagle": "eagle", "eagle1": "eagle", "eagle2": "eagle", "eagle-1": "eagle",
                    "eagle-2": "eagle"}
-ENGINE_FLAGS = {
-    "eagle3": "--algorithm EAGLE3 (SGLang: --speculative-algorithm EAGLE3; vLLM: method eagle3)",
-    "eagle": "--algorithm EAGLE (SGLang: --speculative-algorithm EAGLE; vLLM: method eagle)",
-}
-STATUSES = ("ok", "warn", "error")
+
+
+def engine_flags(algorithm: str) -> str:
+    """How each place names `algorithm` ("eagle3" | "eagle"): our flag, SGLang's, vLLM's."""
+    return (f"--algorithm {algorithm.upper()} (SGLang: {SGLANG.method_option} "
+            f"{SGLANG.methods[algorithm]}; vLLM: method {VLLM.methods[algorithm]})")
 
 
 def normalize_algorithm(name: str) -> str:
@@ -60,35 +62,11 @@ def algorithm_mismatch_error(requested: str, found: str) -> ContractError:
                  "captured layers and cannot run as EAGLE-3",
     }[found]
     return ContractError("algorithm", requested.upper(), found.upper(),
-                         f"use {ENGINE_FLAGS[found]}. {why}")
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str           # which rule (see the table above)
-    status: str         # ok | warn | error
-    field: str
-    found: Any
-    expected: Any
-    fix: str = ""
-
-    @property
-    def message(self) -> str:
-        if self.status == "ok":
-            return f"{self.field}: {self.found!r}"
-        return f"{self.field}: found {self.found!r}, expected {self.expected!r}. Fix: {self.fix}"
-
-    def as_error(self) -> ContractError:
-        return ContractError(self.field, self.found, self.expected, self.fix)
+                         f"use {engine_flags(found)}. {why}")
 
 
 def ok(name: str, field: str, value: Any) -> Check:
-    return Check(name, "ok", field, value, value)
-
-
-def verdict(name: str, good: bool, field: str, found: Any, expected: Any, fix: str,
-            bad: str = "error") -> Check:
-    return Check(name, "ok" if good else bad, field, found, expected, "" if good else fix)
+    return compared(name, True, field, value, value, "")
 
 
 # ---------------------------------------------------------------------------- individual checks
@@ -100,16 +78,16 @@ def check_algorithm(draft: "DraftBase", algorithm: Optional[str]) -> list[Check]
     if requested == found:
         return [ok("algorithm", "algorithm", found.upper())]
     err = algorithm_mismatch_error(requested, found)
-    return [Check("algorithm", "error", err.field, err.found, err.expected, err.fix)]
+    return [from_error("algorithm", err)]
 
 
 def check_hidden(target: ModelConfig, draft: "DraftBase", info: Optional["DraftInfo"]) -> list[Check]:
     cfg = draft.config
-    out = [verdict("hidden", cfg.target_hidden_size == target.hidden_size, "target_hidden_size",
+    out = [compared("hidden", cfg.target_hidden_size == target.hidden_size, "target_hidden_size",
                    cfg.target_hidden_size, target.hidden_size,
                    "this draft reads features of another width: it was trained for another target")]
     if info is not None and info.embedding_source == "target":
-        out.append(verdict("hidden", cfg.hidden_size == target.hidden_size, "hidden_size",
+        out.append(compared("hidden", cfg.hidden_size == target.hidden_size, "hidden_size",
                            cfg.hidden_size, target.hidden_size,
                            "a draft that shares the target's embedding must be as wide as the target"))
     return out
@@ -118,15 +96,15 @@ def check_hidden(target: ModelConfig, draft: "DraftBase", info: Optional["DraftI
 def check_fc(target: ModelConfig, draft: "DraftBase") -> list[Check]:
     cfg, found = draft.config, draft.fc.weight.shape[1]
     if cfg.algorithm == "eagle":
-        return [verdict("fc width", found == 2 * cfg.hidden_size, "fc.weight input width", found,
+        return [compared("fc width", found == 2 * cfg.hidden_size, "fc.weight input width", found,
                         2 * cfg.hidden_size, "an EAGLE-1/2 fc reads cat(embedding, hidden)")]
     ids = list(cfg.aux_layer_ids)
     want = len(ids) * target.hidden_size
-    return [verdict("fc width", found == want, "fc.weight input width", found,
+    return [compared("fc width", found == want, "fc.weight input width", found,
                     f"{len(ids)} captured layers {ids} x target hidden {target.hidden_size} = {want}",
                     f"the draft's fc fuses {found // max(target.hidden_size, 1)} states of width "
                     f"{target.hidden_size}; capture exactly the layers it was trained on (set its "
-                    "eagle_aux_hidden_state_layer_ids) and pair it with its own target")]
+                    f"{IDS_KEY}) and pair it with its own target")]
 
 
 def check_layer_ids(target: ModelConfig, draft: "DraftBase") -> list[Check]:
@@ -136,18 +114,18 @@ def check_layer_ids(target: ModelConfig, draft: "DraftBase") -> list[Check]:
     ids, n = list(cfg.aux_layer_ids), target.num_layers
     defaults = list(target.default_aux_layer_ids)
     out = [
-        verdict("layer ids", bool(ids) and all(0 <= i < n for i in ids), "aux_layer_ids", ids,
+        compared("layer ids", bool(ids) and all(0 <= i < n for i in ids), "aux_layer_ids", ids,
                 f"ids in [0, {n - 1}] ('input to layer i')",
                 f"this target has {n} layers; its default ids are {defaults}. Ids read from an "
                 "eagle_config are output-of-layer ids (+1 on load); a draft for a deeper target "
                 "does not fit this one"),
-        verdict("layer ids", len(set(ids)) == len(ids) and ids == sorted(ids), "aux_layer_ids order",
+        compared("layer ids", len(set(ids)) == len(ids) and ids == sorted(ids), "aux_layer_ids order",
                 ids, "distinct, ascending", "list each captured layer once, low to high"),
     ]
     if len(ids) != 3:
-        out.append(Check("layer ids", "warn", "aux_layer_ids count", len(ids), 3,
-                         "SGLang (fc = 3 x Ht) and llama.cpp (exactly 3 extract layers) serve only "
-                         "3-layer drafts; vLLM and this project read any count"))
+        out.append(compared("layer ids", False, "aux_layer_ids count", len(ids), 3,
+                            "SGLang (fc = 3 x Ht) and llama.cpp (exactly 3 extract layers) serve only "
+                            "3-layer drafts; vLLM and this project read any count", bad="warn"))
     return out
 
 
@@ -157,21 +135,21 @@ def vocab_map_checks(target: ModelConfig, draft: "DraftBase") -> list[Check]:
     targets = torch.arange(d2t.numel()) + d2t
     in_range = bool(((targets >= 0) & (targets < vocab)).all())
     out = [
-        verdict("vocab", tuple(d2t.shape) == (cfg.draft_vocab_size,), "d2t shape", tuple(d2t.shape),
+        compared("vocab", tuple(d2t.shape) == (cfg.draft_vocab_size,), "d2t shape", tuple(d2t.shape),
                 (cfg.draft_vocab_size,), "d2t has one offset per draft id"),
-        verdict("vocab", in_range, "d2t targets (draft_id + d2t[draft_id])",
+        compared("vocab", in_range, "d2t targets (draft_id + d2t[draft_id])",
                 f"[{int(targets.min())}, {int(targets.max())}]" if targets.numel() else "[]",
                 f"[0, {vocab - 1}]", "d2t maps into another vocabulary: the draft was built for "
                 "another target"),
-        verdict("vocab", targets.unique().numel() == targets.numel(), "d2t targets distinct",
+        compared("vocab", targets.unique().numel() == targets.numel(), "d2t targets distinct",
                 targets.numel() - targets.unique().numel(), 0, "two draft ids map to one target id; "
                 "rebuild d2t from the sorted draft vocabulary"),
     ]
     if tuple(t2d.shape) != (vocab,):
-        return out + [Check("vocab", "error", "t2d shape", tuple(t2d.shape), (vocab,),
-                            "t2d is a mask over the target vocabulary")]
+        return out + [compared("vocab", False, "t2d shape", tuple(t2d.shape), (vocab,),
+                               "t2d is a mask over the target vocabulary")]
     marked = bool(t2d[targets.clamp(0, vocab - 1)].all()) and int(t2d.sum()) == targets.numel()
-    return out + [verdict("vocab", marked and in_range, "t2d", f"{int(t2d.sum())} ids marked",
+    return out + [compared("vocab", marked and in_range, "t2d", f"{int(t2d.sum())} ids marked",
                           f"exactly the {targets.numel()} d2t targets",
                           "t2d and d2t disagree; derive t2d from d2t")]
 
@@ -181,12 +159,12 @@ def check_vocab(target: ModelConfig, draft: "DraftBase") -> list[Check]:
     head_rows = draft.lm_head.weight.shape[0]
     want_rows = cfg.draft_vocab_size if cfg.algorithm == "eagle3" else vocab
     out = [
-        verdict("vocab", cfg.vocab_size == vocab, "vocab_size", cfg.vocab_size, vocab,
+        compared("vocab", cfg.vocab_size == vocab, "vocab_size", cfg.vocab_size, vocab,
                 f"this draft was built for a target with a {cfg.vocab_size}-token vocabulary; pair "
                 "it with that target (or retrain it for this one)"),
-        verdict("vocab", cfg.draft_vocab_size <= vocab, "draft_vocab_size", cfg.draft_vocab_size,
+        compared("vocab", cfg.draft_vocab_size <= vocab, "draft_vocab_size", cfg.draft_vocab_size,
                 f"<= {vocab}", "the draft vocabulary must be a subset of the target's"),
-        verdict("vocab", head_rows == want_rows, "lm_head rows", head_rows, want_rows,
+        compared("vocab", head_rows == want_rows, "lm_head rows", head_rows, want_rows,
                 "lm_head must have one row per draft-vocabulary id"),
     ]
     if cfg.vocab_size != vocab:
@@ -197,17 +175,17 @@ def check_vocab(target: ModelConfig, draft: "DraftBase") -> list[Check]:
 def check_attention(target: ModelConfig, draft: "DraftBase") -> list[Check]:
     cfg = draft.config
     return [
-        verdict("attention", cfg.head_dim % 2 == 0 and cfg.head_dim > 0, "head_dim", cfg.head_dim,
+        compared("attention", cfg.head_dim % 2 == 0 and cfg.head_dim > 0, "head_dim", cfg.head_dim,
                 "a positive even number", "rotary embeddings rotate pairs of dims"),
-        verdict("attention", cfg.num_kv_heads > 0 and cfg.num_heads % cfg.num_kv_heads == 0,
+        compared("attention", cfg.num_kv_heads > 0 and cfg.num_heads % cfg.num_kv_heads == 0,
                 "num_heads / num_kv_heads", f"{cfg.num_heads}/{cfg.num_kv_heads}",
                 "num_heads divisible by num_kv_heads", "fix num_key_value_heads in config.json"),
-        verdict("attention", cfg.rope.theta > 0, "rope_theta", cfg.rope.theta, "> 0",
+        compared("attention", cfg.rope.theta > 0, "rope_theta", cfg.rope.theta, "> 0",
                 "fix rope_theta in config.json"),
-        verdict("attention", cfg.rope == target.rope, "rope", cfg.rope, target.rope,
+        compared("attention", cfg.rope == target.rope, "rope", cfg.rope, target.rope,
                 "drafts normally share the target's rope settings; check rope_theta/rope_scaling",
                 bad="warn"),
-        verdict("attention", cfg.max_position >= target.max_position, "max_position_embeddings",
+        compared("attention", cfg.max_position >= target.max_position, "max_position_embeddings",
                 cfg.max_position, f">= {target.max_position} (the target's)",
                 "positions past the draft's rotary table raise at run time; raise "
                 "max_position_embeddings in the draft config", bad="warn"),
@@ -218,16 +196,17 @@ def check_embedding(draft: "DraftBase", target: Optional[torch.nn.Module],
                     info: Optional["DraftInfo"]) -> list[Check]:
     shared = info is None or info.embedding_source == "target"
     if info is not None and shared and not info.embedding_attached:
-        return [Check("embedding", "error", "embed_tokens", "not attached", "the target's embedding",
-                      "call formats.attach_target(loaded, target) or load_draft(..., target=model)")]
+        return [compared("embedding", False, "embed_tokens", "not attached", "the target's embedding",
+                         "call formats.attach_target(loaded, target) or load_draft(..., target=model)")]
     if target is None or not shared:
         source = info.embedding_source if info else "unknown"
         return [ok("embedding", "embed_tokens source", source)]
     mine, theirs = draft.embed_tokens.weight, target.embed_tokens.weight
     same = mine.shape == theirs.shape and (mine.data_ptr() == theirs.data_ptr()
                                            or torch.equal(mine.detach().cpu(), theirs.detach().cpu()))
-    return [verdict("embedding", same, "embed_tokens", "differs from the target's",
-                    "the target's embedding", "the draft shares the target's embedding; attach it")]
+    return [compared("embedding", same, "embed_tokens",
+                     "the target's embedding" if same else "differs from the target's",
+                     "the target's embedding", "the draft shares the target's embedding; attach it")]
 
 
 # ---------------------------------------------------------------------------- entry points
@@ -247,6 +226,6 @@ def check_pair(target_config: ModelConfig, draft: "DraftBase", algorithm: Option
     """Raise the first broken rule as a ContractError; return the warnings."""
     checks = run_checks(target_config, draft, algorithm, target, info)
     for check in checks:
-        if check.status == "error":
+        if check.status == "fail":
             raise check.as_error()
     return [c for c in checks if c.status == "warn"]

@@ -8,27 +8,14 @@ eagle3_utils.get_eagle3_aux_layers_from_config; vllm-project/speculators models/
 convert/eagle/eagle3_converter.py; llama.cpp conversion/llama.py and src/models/eagle3.cpp as vendored in
 llama-cpp-python 0.3.36.
 
-Layout table ("ids" = eagle_aux_hidden_state_layer_ids; "input" = input to layer i, "output" = output of
-layer i, input = output + 1; either layer prefix, midlayer. or layers.0., is read in every EAGLE-3 layout,
-as vLLM and llama.cpp do):
-
-| format      | config.json marker                           | prefix    | ids stored at    | numbering |
-|-------------|----------------------------------------------|-----------|------------------|-----------|
-| eagle       | LlamaForCausalLM, 1 layer (+draft_vocab_size | midlayer. | nowhere: 2,L//2, | default   |
-|             | for EAGLE-3; EAGLE-1/2 use layers.0.)        |           | L-3 hard-coded   |           |
-| specforge   | LlamaForCausalLMEagle3 and/or eagle_config   | midlayer. | eagle_config.ids | output    |
-| vllm        | Eagle3LlamaForCausalLM                       | either    | top-level ids    | input     |
-| speculators | speculators_model_type "eagle3", arch        | layers.0. | top-level ids    | input     |
-|             | Eagle3Speculator, nested                     |           |                  |           |
-|             | transformer_layer_config, speculators_config |           |                  |           |
+Layouts (markers, layer prefix, where each stores its layer ids and in which numbering) and what each
+serving engine reads are one table in eagle3/engines.py. This module reads ids as we do: the top-level
+list (input to layer i), the eagle_config list (output of layer i, +1), and when both are stored they
+must name the same layers or loading fails; neither -> the defaults 2, L//2, L-3 for the target.
+Either layer prefix, midlayer. or layers.0., is read in every EAGLE-3 layout, as vLLM and llama.cpp do.
 
 Embedding: absent in eagle and specforge checkpoints (SpecForge's exporter drops it; EAGLE-1/2 checkpoints
 sometimes store it), optional in vllm and speculators (older speculators releases store it).
-
-Who reads what: SGLang reads only eagle_config (+1 -> input ids; absent -> defaults). vLLM and llama.cpp
-read only top-level ids, as input ids (absent -> defaults 2, L//2, L-3: an id set that lives only in
-eagle_config is silently replaced by the defaults). llama.cpp needs exactly 3 ids.
-When a config stores both, they must name the same layers (top == eagle_config + 1) or loading fails.
 
 Variant flags (one table, VARIANT_FLAGS below): each has the value we implement; any other value raises
 UnsupportedError naming the flag. `norm_output` means different things: SpecForge default true = final
@@ -53,7 +40,7 @@ import json
 import os
 import pickle
 import shutil
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Optional
 
@@ -61,18 +48,18 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from ..engines import (EAGLE3_ARCHITECTURES, IDS_KEY, LAYOUTS, NESTED_KEY, NESTED_OUTPUT,
+                       SPECULATORS_KEY, TOP_INPUT, is_speculators)
 from ..errors import ContractError, InputError, LoadError, UnsupportedError
 from ..models.config import ModelConfig, RopeConfig
+from ..models.target import TargetFacts
 from ..runtime.loader import read_hf_config, read_safetensors
 from .contract import algorithm_mismatch_error, normalize_algorithm
 from ..models.layers import Rotary
 from .model import DraftBase, DraftConfig, build_draft
 
-FORMATS = ("eagle", "specforge", "vllm", "speculators")
+FORMATS = tuple(LAYOUTS)
 WRITABLE_FORMATS = ("specforge", "speculators", "eagle")
-EAGLE3_ARCHS = {"LlamaForCausalLMEagle3": "specforge", "Eagle3LlamaForCausalLM": "vllm",
-                "Eagle3Speculator": "speculators"}
-IDS_KEY = "eagle_aux_hidden_state_layer_ids"
 
 # flag -> {algorithm, format or "*": value we implement}, looked up in that order; a missing flag takes the
 # listed value unless marked REQUIRED.
@@ -142,14 +129,6 @@ class LoadedDraft(NamedTuple):
     info: DraftInfo
 
 
-@dataclass(frozen=True)
-class TargetInfo:
-    """What a writer needs to know about the target: its config and how to name it."""
-    config: ModelConfig
-    name_or_path: Optional[str] = None
-    architectures: tuple[str, ...] = field(default_factory=tuple)
-
-
 # ---------------------------------------------------------------------------- files
 def weight_files(path: Path) -> tuple[str, list[Path]]:
     """("safetensors" | "bin", files) for a draft directory."""
@@ -200,15 +179,15 @@ def read_shapes(path: Path) -> dict[str, tuple[int, ...]]:
 def detect_format(hf: dict) -> tuple[str, str]:
     """(format, architecture) from config.json alone."""
     arch = (hf.get("architectures") or [""])[0]
-    if "speculators_model_type" in hf:
-        kind = hf["speculators_model_type"]
+    if is_speculators(hf):
+        kind = hf[SPECULATORS_KEY]
         if kind != "eagle3":
             raise UnsupportedError(f"speculators_model_type {kind!r} is not implemented; "
                                    "supported: 'eagle3' (EAGLE-1/2 drafts load from the EAGLE layout)")
         return "speculators", arch or "Eagle3Speculator"
-    if arch in EAGLE3_ARCHS:
-        return EAGLE3_ARCHS[arch], arch
-    if "eagle_config" in hf:
+    if arch in EAGLE3_ARCHITECTURES:
+        return EAGLE3_ARCHITECTURES[arch], arch
+    if NESTED_KEY in hf:
         return "specforge", arch
     if arch == "LlamaForCausalLM" and hf.get("num_hidden_layers") == 1:
         return "eagle", arch
@@ -233,7 +212,7 @@ def layer_config(hf: dict, fmt: str) -> dict:
 
 def check_flags(hp: dict, fmt: str, algo: str) -> None:
     """Every known variant flag must hold the value we implement; none is ignored."""
-    sources = [hp, hp.get("eagle_config") or {}]
+    sources = [hp, hp.get(NESTED_KEY) or {}]
     for flag, rule in VARIANT_FLAGS.items():
         want = rule.get(algo, rule.get(fmt, rule["*"]))
         found = [s[flag] for s in sources if flag in s]
@@ -251,35 +230,25 @@ def check_flags(hp: dict, fmt: str, algo: str) -> None:
                                        f"implemented; this project implements {flag}={want!r}")
 
 
-def stored_ids(container: dict, where: str) -> Optional[tuple[int, ...]]:
-    ids = container.get(IDS_KEY)
-    if ids in (None, []):
-        return None
-    if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
-        raise LoadError(f"{where}{IDS_KEY}: expected a list of ints, found {ids!r}")
-    return tuple(ids)
-
-
 def resolve_layer_ids(hp: dict, num_aux: int, target: Optional[ModelConfig]) -> LayerIds:
     """Find the stored ids, detect their numbering, and return them in the INPUT convention."""
-    top = stored_ids(hp, "")
-    nested = stored_ids(hp.get("eagle_config") or {}, "eagle_config.")
+    top, nested = TOP_INPUT.stored(hp), NESTED_OUTPUT.stored(hp)
     if nested is not None and top is not None:
-        if tuple(i + 1 for i in nested) != top:
+        if NESTED_OUTPUT.as_input(nested) != top:
             raise ContractError(
                 IDS_KEY, f"top-level {list(top)} (input to layer i)",
-                f"eagle_config + 1 = {[i + 1 for i in nested]}",
+                f"eagle_config + 1 = {list(NESTED_OUTPUT.as_input(nested))}",
                 "the two stored id lists name different layers: SGLang reads eagle_config, vLLM and "
                 "llama.cpp read the top level. Re-export the draft with the ids it was trained on")
         return LayerIds(top, "input+output", f"top-level {list(top)} (input to layer i; vLLM, "
                         f"llama.cpp) agrees with eagle_config {list(nested)} (output of layer i; "
                         "SGLang/SpecForge, +1)", top)
     if nested is not None:
-        ids = tuple(i + 1 for i in nested)
-        return LayerIds(ids, "output", f"eagle_config.{IDS_KEY} {list(nested)}: SpecForge/SGLang "
+        ids = NESTED_OUTPUT.as_input(nested)
+        return LayerIds(ids, "output", f"{NESTED_OUTPUT.label} {list(nested)}: SpecForge/SGLang "
                         f"'output of layer i' numbering, +1 -> input ids {list(ids)}", nested)
     if top is not None:
-        return LayerIds(top, "input", f"top-level {IDS_KEY} {list(top)}: vLLM/speculators/"
+        return LayerIds(top, "input", f"{TOP_INPUT.label} {list(top)}: vLLM/speculators/"
                         "llama.cpp 'input to layer i' numbering, used as is", top)
     return default_ids(num_aux, target)
 
@@ -440,8 +409,8 @@ def off_by_one_notes(ids: LayerIds, target: Optional[ModelConfig]) -> list[str]:
     if ids.convention == "output" and ids.stored == input_defaults:
         return [f"eagle_config ids {list(ids.stored)} equal the INPUT-convention defaults; read as "
                 f"output ids they capture {list(ids.ids)}. If the draft was trained on the defaults, "
-                f"its eagle_config should read {[i - 1 for i in input_defaults]}"]
-    if ids.convention == "input" and ids.stored == tuple(i - 1 for i in input_defaults):
+                f"its eagle_config should read {NESTED_OUTPUT.as_stored(input_defaults)}"]
+    if ids.convention == "input" and ids.stored == tuple(NESTED_OUTPUT.as_stored(input_defaults)):
         return [f"top-level ids {list(ids.stored)} equal the OUTPUT-convention defaults; read as input "
                 f"ids they capture one layer early. Defaults as input ids are {list(input_defaults)}"]
     return []
@@ -579,50 +548,54 @@ def llama_fields(cfg: DraftConfig, dtype: torch.dtype) -> dict:
             "torch_dtype": dtype_name(dtype), **rope_fields(cfg.rope)}
 
 
-def as_target_info(target_info: TargetInfo | ModelConfig | None) -> Optional[TargetInfo]:
-    if target_info is None or isinstance(target_info, TargetInfo):
-        return target_info
-    return TargetInfo(config=target_info)
+def as_facts(target: TargetFacts | ModelConfig | None) -> Optional[TargetFacts]:
+    if target is None or isinstance(target, TargetFacts):
+        return target
+    return TargetFacts.of(target)
 
 
-def ids_are_default(cfg: DraftConfig, target: Optional[TargetInfo]) -> Optional[bool]:
+def ids_are_default(cfg: DraftConfig, target: Optional[TargetFacts]) -> Optional[bool]:
     if target is None:
         return None
-    return tuple(cfg.aux_layer_ids) == tuple(target.config.default_aux_layer_ids)
+    return tuple(cfg.aux_layer_ids) == tuple(target.default_aux_layer_ids)
 
 
-def specforge_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[TargetInfo]) -> dict:
-    hf = {"architectures": ["LlamaForCausalLMEagle3"], **llama_fields(cfg, dtype),
-          "draft_vocab_size": cfg.draft_vocab_size,
-          "eagle_config": {IDS_KEY: [i - 1 for i in cfg.aux_layer_ids], "use_aux_hidden_state": True}}
-    if cfg.target_hidden_size != cfg.hidden_size:
-        hf["target_hidden_size"] = cfg.target_hidden_size
-    if ids_are_default(cfg, target) is not True:  # vLLM and llama.cpp read only this one
-        hf[IDS_KEY] = list(cfg.aux_layer_ids)
+def write_ids(hf: dict, fmt: str, ids: tuple[int, ...]) -> dict:
+    """The ids in every place (and numbering) that an engine serving this layout reads first."""
+    for slot in LAYOUTS[fmt].writes:
+        slot.write(hf, ids)
     return hf
 
 
-def speculators_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[TargetInfo],
+def specforge_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[TargetFacts]) -> dict:
+    hf = {"architectures": [LAYOUTS["specforge"].architecture], **llama_fields(cfg, dtype),
+          "draft_vocab_size": cfg.draft_vocab_size, NESTED_KEY: {"use_aux_hidden_state": True}}
+    if cfg.target_hidden_size != cfg.hidden_size:
+        hf["target_hidden_size"] = cfg.target_hidden_size
+    return write_ids(hf, "specforge", cfg.aux_layer_ids)
+
+
+def speculators_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[TargetFacts],
                        speculative_tokens: int) -> dict:
-    verifier = {"name_or_path": target.name_or_path if target else None,
-                "architectures": list(target.architectures or (target.config.architecture,))
-                if target else []}
-    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+    verifier = {"name_or_path": target.path if target else None,
+                "architectures": [target.architecture] if target and target.architecture else []}
+    hf = {"architectures": [LAYOUTS["speculators"].architecture], SPECULATORS_KEY: "eagle3",
             "transformer_layer_config": llama_fields(cfg, dtype),
             "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
             "norm_before_fc": False, "fc_norm": False, "norm_output": False,
             "target_hidden_size": (cfg.target_hidden_size
                                    if cfg.target_hidden_size != cfg.hidden_size else None),
-            IDS_KEY: list(cfg.aux_layer_ids), "torch_dtype": dtype_name(dtype),
+            "torch_dtype": dtype_name(dtype),
             "speculators_config": {
                 "algorithm": "eagle3", "default_proposal_method": "greedy",
                 "proposal_methods": [{"proposal_type": "greedy",
                                       "speculative_tokens": speculative_tokens}],
                 "verifier": verifier}}
+    return write_ids(hf, "speculators", cfg.aux_layer_ids)
 
 
-def eagle_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[TargetInfo]) -> dict:
-    hf = {"architectures": ["LlamaForCausalLM"], **llama_fields(cfg, dtype)}
+def eagle_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[TargetFacts]) -> dict:
+    hf = {"architectures": [LAYOUTS["eagle"].architecture], **llama_fields(cfg, dtype)}
     if cfg.algorithm == "eagle":
         return hf
     if cfg.target_hidden_size != cfg.hidden_size:
@@ -645,14 +618,15 @@ def checkpoint_state(draft: DraftBase, fmt: str, dtype: torch.dtype) -> dict[str
             continue  # shared with the target (stored only when the widths differ)
         if cfg.algorithm == "eagle" and key in ("lm_head.weight", "d2t", "t2d"):
             continue  # EAGLE-1/2 use the target's head and vocabulary
-        if fmt == "speculators" and key.startswith("midlayer."):
-            key = "layers.0." + key[len("midlayer."):]
+        prefix = LAYOUTS[fmt].layer_prefix
+        if key.startswith("midlayer.") and prefix != "midlayer.":
+            key = prefix + key[len("midlayer."):]
         out[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
     return {k: v.contiguous() for k, v in out.items()}
 
 
 def save_draft(draft: DraftBase, out_dir: str | os.PathLike, fmt: str = "specforge",
-               target_info: TargetInfo | ModelConfig | None = None, *, speculative_tokens: int = 3,
+               target_info: TargetFacts | ModelConfig | None = None, *, speculative_tokens: int = 3,
                dtype: Optional[torch.dtype] = None, legacy_bin: bool = False) -> Path:
     """Write `draft` as a specforge | speculators | eagle directory (atomically); return its path."""
     if fmt not in WRITABLE_FORMATS:
@@ -660,7 +634,7 @@ def save_draft(draft: DraftBase, out_dir: str | os.PathLike, fmt: str = "specfor
     cfg = draft.config
     if cfg.algorithm == "eagle" and fmt != "eagle":
         raise UnsupportedError(f"{fmt} is an EAGLE-3 layout; EAGLE-1/2 drafts are saved as 'eagle'")
-    target = as_target_info(target_info)
+    target = as_facts(target_info)
     dtype = dtype or draft.fc.weight.dtype
     hf = {"specforge": lambda: specforge_config(cfg, dtype, target),
           "speculators": lambda: speculators_config(cfg, dtype, target, speculative_tokens),

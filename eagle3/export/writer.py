@@ -1,15 +1,10 @@
 """Export a draft for the serving engines and print the commands that launch it.
 
-| engine    | layout it reads                          | layer ids it reads      | numbering       |
-|-----------|------------------------------------------|-------------------------|-----------------|
-| SGLang    | specforge (LlamaForCausalLMEagle3)       | eagle_config ids only   | output (+1)     |
-| vLLM      | speculators, or specforge/eagle          | top-level ids only      | input           |
-| llama.cpp | any, via convert_hf_to_gguf.py           | top-level ids only, or  | input           |
-|           | --target-model-dir (exactly 3 layers)    | 2, L//2, L-3            |                 |
-
-Our specforge export writes the eagle_config ids always and the top-level ids whenever they are not the
-defaults, so every engine captures the layers the draft was trained on. Every export is read back through
-formats.load_draft and compared tensor for tensor before it is reported as written.
+Which layout each engine loads, and where and in which numbering it reads the layer ids, is the table
+in eagle3/engines.py: the specforge export (SGLang, llama.cpp) stores the ids in every place those
+engines and vLLM read them, the speculators export (vLLM) at the top level. Every export is read back
+through formats.load_draft and compared tensor for tensor before it is reported as written, and the
+launch notes say what each engine will capture from the directory it is given.
 """
 from __future__ import annotations
 
@@ -19,16 +14,17 @@ import shlex
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
+from ..engines import LLAMA_CPP, SGLANG, VLLM, Engine, describe, engine_reading
 from ..errors import Eagle3Error, InputError, LoadError
-from ..models.config import ModelConfig, RopeConfig
+from ..models.config import ModelConfig
+from ..models.target import TargetFacts
 from ..draft.contract import check_pair
 from ..draft.model import DraftBase
-from ..draft.formats import (IDS_KEY, DraftInfo, TargetInfo, inspect_draft, load_draft, read_hf_config,
-                      save_draft)
+from ..draft.formats import DraftInfo, inspect_draft, load_draft, read_hf_config, save_draft
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,13 +64,17 @@ def same_weights(draft: DraftBase, info: DraftInfo, loaded: DraftBase) -> None:
             raise LoadError(f"export check failed: {key!r} differs after reading {info.path} back")
 
 
-def export_draft(draft: DraftBase, out_dir: str | Path, fmt: str, target: TargetInfo, *,
-                 speculative_tokens: int = 3, dtype: Optional[torch.dtype] = None) -> ExportResult:
-    """Check the pair, write `fmt`, read it back and compare; return what was read back."""
-    check_pair(target.config, draft)
-    path = save_draft(draft, out_dir, fmt, target, speculative_tokens=speculative_tokens, dtype=dtype)
+def export_draft(draft: DraftBase, out_dir: str | Path, fmt: str, target: ModelConfig, *,
+                 target_path: Optional[str] = None, speculative_tokens: int = 3,
+                 dtype: Optional[torch.dtype] = None) -> ExportResult:
+    """Check the pair, write `fmt`, read it back and compare; return what was read back.
+
+    `target_path` names the target in the speculators layout (verifier.name_or_path)."""
+    check_pair(target, draft)
+    path = save_draft(draft, out_dir, fmt, TargetFacts.of(target, target_path),
+                      speculative_tokens=speculative_tokens, dtype=dtype)
     keep = dtype or draft.fc.weight.dtype
-    loaded, info = load_draft(path, target.config, algorithm=draft.config.algorithm, dtype=keep)
+    loaded, info = load_draft(path, target, algorithm=draft.config.algorithm, dtype=keep)
     same_weights(draft, info, loaded)
     if info.aux_layer_ids != draft.config.aux_layer_ids:
         raise LoadError(f"export check failed: layer ids read back as {list(info.aux_layer_ids)}, "
@@ -82,55 +82,62 @@ def export_draft(draft: DraftBase, out_dir: str | Path, fmt: str, target: Target
     return ExportResult(path, fmt, info)
 
 
+SERVING = (SGLANG, VLLM, LLAMA_CPP)
+
+
 def engine_layer_ids(ids: tuple[int, ...]) -> dict[str, str]:
-    """The same captured layers, written in each engine's own numbering."""
-    return {
-        "SGLang/SpecForge eagle_config (output of layer i)": str([i - 1 for i in ids]),
-        "vLLM/speculators/llama.cpp top-level (input to layer i)": str(list(ids)),
-    }
+    """The same captured layers, written where (and as) each engine reads them first."""
+    out: dict[str, str] = {}
+    for slot in dict.fromkeys(e.reads[0] for e in SERVING):
+        who = "/".join(e.label for e in SERVING if e.reads[0] == slot)
+        out[f"{who} {slot.label} ({slot.meaning})"] = str(slot.as_stored(ids))
+    return out
 
 
 # ---------------------------------------------------------------------------- launch lines
-def target_shape(target_path: str) -> Optional[ModelConfig]:
+def target_facts(target_path: str) -> Optional[TargetFacts]:
     """Layer count, width and vocabulary of a local target dir (any architecture); None if not local."""
     path = Path(target_path)
     if not (path / "config.json").is_file():
         return None
-    hf = read_hf_config(path)
-    hf = {**hf, **hf.get("text_config", {})}
-    return ModelConfig(architecture=(hf.get("architectures") or ["?"])[0],
-                       vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-                       intermediate_size=int(hf.get("intermediate_size", 0)),
-                       num_layers=int(hf["num_hidden_layers"]),
-                       num_heads=int(hf.get("num_attention_heads", 1)),
-                       num_kv_heads=int(hf.get("num_key_value_heads", 1)),
-                       head_dim=int(hf.get("head_dim") or 0), rms_norm_eps=1e-6, rope=RopeConfig(),
-                       max_position=int(hf.get("max_position_embeddings", 0)),
-                       tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+    return TargetFacts.from_hf(read_hf_config(path), str(path))
 
 
-def layer_id_notes(info: DraftInfo, draft_dir: Path, target: Optional[ModelConfig]) -> list[str]:
+def wrong_layers(engine: Engine, info: DraftInfo, draft_dir: Path, target: TargetFacts) -> list[str]:
+    """A note when `engine`, given `draft_dir`, captures other layers than the draft was trained on."""
+    reading = engine_reading(engine, read_hf_config(draft_dir), target.default_aux_layer_ids)
+    if reading.ids == info.aux_layer_ids:
+        return []
+    return [f"WRONG LAYERS in {engine.label}: it reads {describe(reading)} from {draft_dir} and "
+            f"captures {list(reading.ids)} instead of {list(info.aux_layer_ids)}. Re-export it with "
+            f"`eagle3 export --format {engine.export_format}`"]
+
+
+def layer_id_notes(info: DraftInfo, dirs: dict[str, Path], target: Optional[TargetFacts]) -> list[str]:
+    """`dirs`: engine name -> the draft directory its launch line is given."""
     if info.algorithm != "eagle3":
         return []
-    top = read_hf_config(draft_dir).get(IDS_KEY)
-    defaults = tuple(target.default_aux_layer_ids) if target else None
     notes = [f"captured layers {list(info.aux_layer_ids)} (input to layer i; {info.layer_id_source})"]
-    if not top and defaults is not None and info.aux_layer_ids != defaults:
-        notes.append(f"WRONG LAYERS in vLLM and llama.cpp: they read only a top-level {IDS_KEY}, "
-                     f"which this draft lacks, and capture {list(defaults)} instead of "
-                     f"{list(info.aux_layer_ids)}. Re-export it with `eagle3 export`")
-    if len(info.aux_layer_ids) != 3:
-        notes.append(f"{len(info.aux_layer_ids)} captured layers: SGLang (fc = 3 x hidden) and "
-                     "llama.cpp (exactly 3 extract layers) cannot serve it; vLLM can")
+    if target is not None:
+        for engine in SERVING:
+            notes += wrong_layers(engine, info, dirs[engine.name], target)
+    fixed = [e.label for e in SERVING if e.num_aux_layers not in (None, len(info.aux_layer_ids))]
+    if fixed:
+        anyc = [e.label for e in SERVING if e.num_aux_layers is None]
+        notes.append(f"{len(info.aux_layer_ids)} captured layers: {' and '.join(fixed)} serve only "
+                     f"3-layer drafts (fc = 3 x hidden; exactly 3 extract layers) and cannot serve it; "
+                     f"{' and '.join(anyc)} can")
     return notes
 
 
 def format_notes(info: DraftInfo) -> list[str]:
     notes = []
-    if info.format == "speculators":
-        notes.append("SGLang reads LlamaForCausalLMEagle3 drafts: give it the specforge export")
-    if info.algorithm == "eagle":
-        notes.append("llama.cpp has no EAGLE-1/2 drafts (only --spec-type draft-eagle3)")
+    if info.format not in SGLANG.layouts:
+        notes.append(f"SGLang reads {', '.join(SGLANG.layouts)} drafts, not {info.format}: give it the "
+                     f"{SGLANG.export_format} export")
+    if info.algorithm not in LLAMA_CPP.methods:
+        notes.append(f"llama.cpp has no EAGLE-1/2 drafts (only {LLAMA_CPP.method_option} "
+                     f"{LLAMA_CPP.methods['eagle3']})")
     if info.embedding_source == "checkpoint":
         notes.append("the draft ships its own embedding; every engine uses it instead of the target's")
     return notes
@@ -154,7 +161,8 @@ def llama_cpp_lines(draft_dir: str, target_path: str, target_gguf: Optional[str]
     if target_gguf is None:
         target_gguf = target_path.rstrip("/") + ".gguf"
         lines.append(f"{convert} {q(target_path)} --outfile {q(target_gguf)}")
-    lines.append(f"llama-server -m {q(target_gguf)} -md {q(draft_gguf)} --spec-type draft-eagle3 "
+    lines.append(f"llama-server -m {q(target_gguf)} -md {q(draft_gguf)} {LLAMA_CPP.method_option} "
+                 f"{LLAMA_CPP.methods['eagle3']} "
                  f"--spec-draft-n-max {num_steps}")
     return tuple(lines)
 
@@ -166,19 +174,21 @@ def launch_lines(draft_dir: str | Path, target_path: str | Path, *, num_steps: i
     """Ready commands for SGLang, vLLM and llama.cpp, with every caveat this draft has as a note."""
     if num_steps < 1 or topk < 1:
         raise InputError(f"num_steps {num_steps} and topk {topk} must be >= 1")
-    target = target_shape(str(target_path))
+    target = target_facts(str(target_path))
     info = inspect_draft(draft_dir, target).info
     tokens, notes = chain_tokens(num_steps, topk, num_draft_tokens)
     d, t, q = str(draft_dir), str(target_path), shlex.quote
-    algo = "EAGLE3" if info.algorithm == "eagle3" else "EAGLE"
-    sglang = (f"python -m sglang.launch_server --model-path {q(t)} --speculative-algorithm {algo} "
-              f"--speculative-draft-model-path {q(d)} --speculative-num-steps {num_steps} "
-              f"--speculative-eagle-topk {topk} --speculative-num-draft-tokens {tokens}")
-    spec = {"method": algo.lower(), "model": str(vllm_draft_dir or d), "num_speculative_tokens": num_steps}
+    vllm_dir = str(vllm_draft_dir or d)
+    sglang = (f"python -m sglang.launch_server --model-path {q(t)} {SGLANG.method_option} "
+              f"{SGLANG.methods[info.algorithm]} --speculative-draft-model-path {q(d)} "
+              f"--speculative-num-steps {num_steps} --speculative-eagle-topk {topk} "
+              f"--speculative-num-draft-tokens {tokens}")
+    spec = {"method": VLLM.methods[info.algorithm], "model": vllm_dir, "num_speculative_tokens": num_steps}
     vllm = f"vllm serve {q(t)} --speculative-config {q(json.dumps(spec))}"
-    lcpp = () if info.algorithm != "eagle3" else llama_cpp_lines(
+    lcpp = () if info.algorithm not in LLAMA_CPP.methods else llama_cpp_lines(
         d, t, None if target_gguf is None else str(target_gguf), num_steps, llama_cpp)
-    notes += layer_id_notes(info, Path(draft_dir), target) + format_notes(info)
+    dirs = {"sglang": Path(d), "vllm": Path(vllm_dir), "llama.cpp": Path(d)}
+    notes += layer_id_notes(info, dirs, target) + format_notes(info)
     if target is None:
         notes.append(f"{t} is not a local directory: layer ids were not checked against the target")
     return LaunchLines(sglang, vllm, lcpp, tuple(notes))
@@ -203,15 +213,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def resolve_target(spec: Optional[str]) -> tuple[TargetInfo, Optional[Path]]:
+class ExportTarget(NamedTuple):
+    config: ModelConfig
+    path: str                   # the HF directory (named in the speculators layout and launch lines)
+    gguf: Optional[Path]        # the GGUF it came from, if any (llama-server serves it)
+
+
+def resolve_target(spec: Optional[str]) -> ExportTarget:
     from ..runtime.loader import resolve_model
     src = resolve_model(spec)
-    hf = read_hf_config(src.hf_dir)
-    config = ModelConfig.from_hf(hf)
-    return TargetInfo(config, str(src.hf_dir), tuple(hf.get("architectures") or ())), src.gguf
+    return ExportTarget(ModelConfig.from_hf(read_hf_config(src.hf_dir)), str(src.hf_dir), src.gguf)
 
 
-def run_export(args: argparse.Namespace, target: TargetInfo) -> list[ExportResult]:
+def run_export(args: argparse.Namespace, target: ExportTarget) -> list[ExportResult]:
     dtype = DTYPES.get(args.dtype) if args.dtype else None
     draft, info = load_draft(args.draft, target.config, algorithm=args.algorithm,
                              dtype=dtype or torch.float32)
@@ -219,12 +233,12 @@ def run_export(args: argparse.Namespace, target: TargetInfo) -> list[ExportResul
     if info.algorithm == "eagle" and args.format == "all":
         fmts = ["eagle"]
     out = Path(args.out)
-    return [export_draft(draft, out / f if len(fmts) > 1 else out, f, target,
-                         speculative_tokens=args.num_steps, dtype=dtype) for f in fmts]
+    return [export_draft(draft, out / f if len(fmts) > 1 else out, f, target.config,
+                         target_path=target.path, speculative_tokens=args.num_steps, dtype=dtype)
+            for f in fmts]
 
 
-def report(results: list[ExportResult], args: argparse.Namespace, target: TargetInfo,
-           target_gguf: Optional[Path]) -> str:
+def report(results: list[ExportResult], args: argparse.Namespace, target: ExportTarget) -> str:
     info = results[0].info
     lines = [f"draft: {args.draft} ({info.algorithm.upper()}) -> {args.out}"]
     lines += [f"  wrote {r.format:<11} {r.path} (read back and compared)" for r in results]
@@ -232,8 +246,8 @@ def report(results: list[ExportResult], args: argparse.Namespace, target: Target
         lines += [f"  layer ids, {k}: {v}" for k, v in engine_layer_ids(info.aux_layer_ids).items()]
     by_fmt = {r.format: r.path for r in results}
     main_dir = by_fmt.get("specforge", results[0].path)
-    launch = launch_lines(main_dir, target.name_or_path, num_steps=args.num_steps, topk=args.topk,
-                          num_draft_tokens=args.num_draft_tokens, target_gguf=target_gguf,
+    launch = launch_lines(main_dir, target.path, num_steps=args.num_steps, topk=args.topk,
+                          num_draft_tokens=args.num_draft_tokens, target_gguf=target.gguf,
                           llama_cpp=args.llama_cpp, vllm_draft_dir=by_fmt.get("speculators"))
     return "\n".join(lines) + "\n\n" + launch.text()
 
@@ -242,9 +256,9 @@ def export_main(argv: list[str]) -> int:
     """`eagle3 export`: returns 0 on success, 2 with a one-paragraph error otherwise."""
     args = parse_args(argv)
     try:
-        target, target_gguf = resolve_target(args.target)
+        target = resolve_target(args.target)
         results = run_export(args, target)
-        print(report(results, args, target, target_gguf))
+        print(report(results, args, target))
     except Eagle3Error as e:
         print(f"eagle3 export: error: {e}", file=sys.stderr)
         return 2

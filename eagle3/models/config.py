@@ -15,6 +15,12 @@ ARCHITECTURES: dict[str, dict[str, Any]] = {
 }
 
 
+def default_capture_ids(num_layers: int) -> tuple[int, int, int]:
+    """The EAGLE-3 default capture ids, "input to layer i": 2, L//2, L-3 (every engine and the EAGLE
+    reference use them when a draft stores no ids)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
@@ -102,9 +108,7 @@ class ModelConfig:
 
     @property
     def default_aux_layer_ids(self) -> tuple[int, int, int]:
-        """EAGLE-3 default capture ids in the "input to layer i" convention: 2, L//2, L-3."""
-        n = self.num_layers
-        return (2, n // 2, n - 3)
+        return default_capture_ids(self.num_layers)
 
     @property
     def q_size(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -31,6 +31,32 @@ from ..errors import InputError
 
 
 MAX_DRAFT_TOKENS = 256   # = models.packed.STABLE_ROWS: every verify block of a row-stable target
+
+
+def max_candidates(top_k: int, depth: int) -> int:
+    """Draft candidates a tree of `depth` levels creates: top_k at level 1, top_k**2 at each later one
+    (every frontier node gets top_k children, the best top_k of them are expanded next)."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
+def tree_shape_problem(top_k: int, depth: int, num_draft_tokens: int,
+                       max_draft_tokens: Optional[int] = MAX_DRAFT_TOKENS) -> Optional[str]:
+    """Why this tree shape cannot be built, or None. `max_draft_tokens` caps the verify block (ours:
+    MAX_DRAFT_TOKENS; None for an engine without that cap)."""
+    for name, value in (("top_k", top_k), ("depth", depth)):
+        if value < 1:
+            return f"spec {name} must be >= 1, got {value}"
+    cap = max_draft_tokens if max_draft_tokens is not None else math.inf
+    if not 2 <= num_draft_tokens <= cap:
+        return (f"num_draft_tokens must be in [2, {cap}] (the root and at least one draft token"
+                + ("" if max_draft_tokens is None else "; larger verify blocks would leave the "
+                   "row-stable kernels") + f"), got {num_draft_tokens}")
+    most = max_candidates(top_k, depth)
+    if num_draft_tokens - 1 > most:
+        return (f"num_draft_tokens={num_draft_tokens} needs {num_draft_tokens - 1} draft candidates but "
+                f"top_k={top_k}, depth={depth} produce at most {most} (top_k + (depth-1)*top_k^2); "
+                f"lower num_draft_tokens to <= {most + 1} or raise depth/top_k")
+    return None
 
 
 @dataclass(frozen=True)
@@ -53,19 +79,9 @@ class SpecParams:
     def __post_init__(self):
         if not 0.0 <= self.min_prob < 1.0:
             raise InputError(f"spec min_prob must be in [0, 1), got {self.min_prob}")
-        for name in ("top_k", "depth"):
-            if getattr(self, name) < 1:
-                raise InputError(f"spec {name} must be >= 1, got {getattr(self, name)}")
-        if not 2 <= self.num_draft_tokens <= MAX_DRAFT_TOKENS:
-            raise InputError(f"num_draft_tokens must be in [2, {MAX_DRAFT_TOKENS}] (the root and at "
-                             f"least one draft token; larger verify blocks would leave the "
-                             f"row-stable kernels), got {self.num_draft_tokens}")
-        if self.num_draft_tokens - 1 > self.max_candidates:
-            raise InputError(
-                f"num_draft_tokens={self.num_draft_tokens} needs {self.num_draft_tokens - 1} draft "
-                f"candidates but top_k={self.top_k}, depth={self.depth} produce at most "
-                f"{self.max_candidates} (top_k + (depth-1)*top_k^2); lower num_draft_tokens to "
-                f"<= {self.max_candidates + 1} or raise depth/top_k")
+        problem = tree_shape_problem(self.top_k, self.depth, self.num_draft_tokens)
+        if problem:
+            raise InputError(problem)
 
     @classmethod
     def chain(cls, depth: int, min_prob: float = 0.0) -> "SpecParams":
@@ -82,7 +98,7 @@ class SpecParams:
 
     @property
     def max_candidates(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+        return max_candidates(self.top_k, self.depth)
 
     @property
     def draft_rows(self) -> int:

@@ -1,0 +1,221 @@
+"""Serving engines and draft layouts: where each reads an EAGLE-3 draft's layer ids, in which numbering,
+and how it is told to run the draft. One table: the loader (draft/formats.py), the exporter
+(export/writer.py) and the launch linter (doctor/launch.py) read it; nothing else spells out an
+engine's convention.
+
+Numbering: "input" = id i names the residual stream ENTERING layer i (= HF output_hidden_states[i]; what
+this project, vLLM and llama.cpp capture for id i); "output" = id i names the output of layer i, i.e.
+input id - 1 (SpecForge's eagle_config; SGLang adds 1 before capturing).
+
+| engine     | loads layouts             | reads ids (first list found wins)                 | none found   |
+|------------|---------------------------|---------------------------------------------------|--------------|
+| SGLang     | specforge, eagle          | eagle_config (output, +1), then top-level (output,| defaults     |
+|            |                           | +1); older releases read eagle_config only        |              |
+| vLLM       | speculators, vllm,        | top-level (input), then eagle_config taken RAW as | defaults     |
+| 0.32-0.33  | specforge, eagle          | input (no +1: a SpecForge list runs one layer     |              |
+|            |                           | early); older releases read top-level only        |              |
+| llama.cpp  | specforge, vllm, eagle    | top-level (input), read once by                   | defaults     |
+|            | (convert_hf_to_gguf.py)   | convert_hf_to_gguf.py into eagle3.target_layers   |              |
+| EAGLE ref. | eagle                     | nothing                                           | defaults     |
+
+"defaults" = 2, L//2, L-3 for a target of L layers (models.config.default_capture_ids). SGLang and
+llama.cpp serve exactly 3 captured layers; vLLM any count.
+
+| layout      | config.json marker (architectures[0])   | layer prefix | ids stored (numbering)           |
+|-------------|-----------------------------------------|--------------|----------------------------------|
+| eagle       | LlamaForCausalLM, 1 layer               | midlayer.    | nowhere (the defaults)           |
+| specforge   | LlamaForCausalLMEagle3 or eagle_config  | midlayer.    | eagle_config (output) + our      |
+|             |                                         |              | export: top-level (input) always |
+| vllm        | Eagle3LlamaForCausalLM                  | either       | top-level (input)                |
+| speculators | Eagle3Speculator, speculators_model_type| layers.0.    | top-level (input)                |
+
+Sources: sgl-project/sglang eagle worker + set_eagle3_layers_to_capture (+1); vllm-project/vllm
+config/speculative.py (method detection), gpu_model_runner aux-layer lookup, transformers_utils/config.py
+maybe_override_with_speculators; llama.cpp conversion/llama.py and src/models/eagle3.cpp (as vendored
+in llama-cpp-python 0.3.36); SafeAILab/EAGLE eagle/model/cnets.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Optional
+
+from .errors import LoadError
+
+IDS_KEY = "eagle_aux_hidden_state_layer_ids"
+NESTED_KEY = "eagle_config"
+INPUT, OUTPUT = "input", "output"
+
+
+# ---------------------------------------------------------------------------- where ids are stored
+@dataclass(frozen=True)
+class IdsSlot:
+    """One place in a draft's config.json that holds layer ids, and the numbering a reader gives it."""
+    nested: bool          # inside eagle_config (else at the top level)
+    numbering: str        # INPUT | OUTPUT
+
+    @property
+    def label(self) -> str:
+        return f"{NESTED_KEY}.{IDS_KEY}" if self.nested else f"top-level {IDS_KEY}"
+
+    @property
+    def meaning(self) -> str:
+        return "input to layer i" if self.numbering == INPUT else "output of layer i"
+
+    @property
+    def shift(self) -> int:
+        """Added to a stored id to get the input id."""
+        return 1 if self.numbering == OUTPUT else 0
+
+    def stored(self, config: dict) -> Optional[tuple[int, ...]]:
+        """The list as written (None when absent or empty); anything but a list of ints raises."""
+        container = (config.get(NESTED_KEY) or {}) if self.nested else config
+        ids = container.get(IDS_KEY)
+        if ids in (None, []):
+            return None
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) for i in ids):
+            raise LoadError(f"{self.label}: expected a list of ints, found {ids!r}")
+        return tuple(ids)
+
+    def as_input(self, stored: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(i + self.shift for i in stored)
+
+    def as_stored(self, input_ids: tuple[int, ...]) -> list[int]:
+        return [i - self.shift for i in input_ids]
+
+    def write(self, config: dict, input_ids: tuple[int, ...]) -> None:
+        container = config.setdefault(NESTED_KEY, {}) if self.nested else config
+        container[IDS_KEY] = self.as_stored(input_ids)
+
+
+TOP_INPUT = IdsSlot(nested=False, numbering=INPUT)
+TOP_OUTPUT = IdsSlot(nested=False, numbering=OUTPUT)
+NESTED_INPUT = IdsSlot(nested=True, numbering=INPUT)
+NESTED_OUTPUT = IdsSlot(nested=True, numbering=OUTPUT)
+
+
+# ---------------------------------------------------------------------------- layouts
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    architecture: str                  # architectures[0] our writer puts in config.json
+    layer_prefix: str                  # the draft layer's weight prefix as written
+    writes: tuple[IdsSlot, ...]        # where our writer stores the ids (every engine serving it reads one)
+
+
+LAYOUTS: dict[str, Layout] = {
+    # the EAGLE reference hard-codes the default ids: the layout cannot record others
+    "eagle": Layout("eagle", "LlamaForCausalLM", "midlayer.", ()),
+    # eagle_config for SGLang; top-level for vLLM (which would read a lone eagle_config raw, one layer
+    # early) and llama.cpp (which drops eagle_config). SGLang reads eagle_config first, so both agree.
+    "specforge": Layout("specforge", "LlamaForCausalLMEagle3", "midlayer.", (NESTED_OUTPUT, TOP_INPUT)),
+    "vllm": Layout("vllm", "Eagle3LlamaForCausalLM", "midlayer.", (TOP_INPUT,)),
+    "speculators": Layout("speculators", "Eagle3Speculator", "layers.0.", (TOP_INPUT,)),
+}
+EAGLE3_ARCHITECTURES = {layout.architecture: name for name, layout in LAYOUTS.items() if name != "eagle"}
+SPECULATORS_KEY = "speculators_model_type"
+
+
+def is_speculators(config: dict) -> bool:
+    return SPECULATORS_KEY in config
+
+
+# ---------------------------------------------------------------------------- engines
+@dataclass(frozen=True)
+class Engine:
+    name: str                                # sglang | vllm | llama.cpp | eagle
+    label: str
+    reads: tuple[IdsSlot, ...]               # tried in order: the first stored list wins; none -> defaults
+    layouts: tuple[str, ...]                 # draft layouts it loads
+    export_format: str                       # the `eagle3 export --format` to give it
+    method_option: str                       # where its command line names the algorithm
+    methods: dict[str, str]                  # our algorithm ("eagle3" | "eagle") -> its name for it
+    other_methods: tuple[str, ...] = ()      # its non-EAGLE methods (not an EAGLE head)
+    num_aux_layers: Optional[int] = None     # the captured-layer count it serves (None: any)
+    older_reads: Optional[tuple[IdsSlot, ...]] = None   # what older releases read, where it differs
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+SGLANG = Engine(
+    "sglang", "SGLang", reads=(NESTED_OUTPUT, TOP_OUTPUT), older_reads=(NESTED_OUTPUT,),
+    layouts=("specforge", "eagle"), export_format="specforge", method_option="--speculative-algorithm",
+    methods={"eagle3": "EAGLE3", "eagle": "EAGLE"},
+    other_methods=("STANDALONE", "NGRAM", "NEXTN", "DFLASH"), num_aux_layers=3)
+VLLM = Engine(
+    "vllm", "vLLM", reads=(TOP_INPUT, NESTED_INPUT), older_reads=(TOP_INPUT,),
+    layouts=("speculators", "vllm", "specforge", "eagle"), export_format="speculators",
+    method_option='"method" in --speculative-config', methods={"eagle3": "eagle3", "eagle": "eagle"},
+    other_methods=("suffix", "ngram", "dflash", "mtp", "draft_model"))
+LLAMA_CPP = Engine(
+    "llama.cpp", "llama.cpp", reads=(TOP_INPUT,), layouts=("specforge", "vllm", "eagle"),
+    export_format="specforge", method_option="--spec-type", methods={"eagle3": "draft-eagle3"},
+    other_methods=("draft-simple",), num_aux_layers=3,
+    notes=("ids are read once, by convert_hf_to_gguf.py, and baked into the GGUF as "
+           "eagle3.target_layers",))
+EAGLE_REFERENCE = Engine(
+    "eagle", "EAGLE reference", reads=(), layouts=("eagle",), export_format="eagle",
+    method_option="use_eagle3 (Python API)", methods={"eagle3": "use_eagle3=True", "eagle": "use_eagle3=False"},
+    num_aux_layers=3)
+ENGINES: dict[str, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMA_CPP, EAGLE_REFERENCE)}
+
+# How this project reads a draft's ids (draft/formats.py resolve_layer_ids, which also requires the two
+# to agree when both are stored): the ids the draft was trained on.
+TRAINED_READS = (TOP_INPUT, NESTED_OUTPUT)
+
+# How vLLM picks `method` when --speculative-config omits it: substrings of the draft path, in order,
+# else draft_model. `vllm serve SPECULATORS_DIR` instead builds the whole config from the checkpoint.
+VLLM_METHOD_FROM_PATH = (("eagle-", "eagle"), ("eagle3", "eagle3"))
+VLLM_METHOD_FALLBACK = "draft_model"
+
+
+# ---------------------------------------------------------------------------- reading
+class Reading(NamedTuple):
+    ids: tuple[int, ...]              # what the engine captures, input numbering
+    slot: Optional[IdsSlot]           # where it found them (None: nothing stored, the defaults)
+    stored: Optional[tuple[int, ...]]  # the list as written there
+
+
+def read_ids(reads: tuple[IdsSlot, ...], config: dict, defaults: tuple[int, ...]) -> Reading:
+    """What a reader that tries `reads` in order captures; `defaults` when nothing is stored."""
+    for slot in reads:
+        stored = slot.stored(config)
+        if stored is not None:
+            return Reading(slot.as_input(stored), slot, stored)
+    return Reading(tuple(defaults), None, None)
+
+
+def engine_reading(engine: Engine, config: dict, defaults: tuple[int, ...]) -> Reading:
+    return read_ids(engine.reads, config, defaults)
+
+
+def describe(reading: Reading) -> str:
+    slot = reading.slot
+    if slot is None:
+        return "no ids stored: the default 2, L//2, L-3"
+    if slot.shift:
+        how = f" +{slot.shift}"
+    elif slot.nested:
+        how = " taken raw as input ids (no +1, as SGLang adds)"
+    else:
+        how = ", no shift"
+    return f"{slot.label}={list(reading.stored)}{how}"
+
+
+def vllm_method(spec: dict[str, Any]) -> tuple[str, str]:
+    """(method, how) as vLLM resolves --speculative-config: explicit, else guessed from the path."""
+    if spec.get("method"):
+        return str(spec["method"]).lower(), "set explicitly"
+    model = str(spec.get("model") or "").lower()
+    for part, method in VLLM_METHOD_FROM_PATH:
+        if part in model:
+            return method, f"guessed from the path ('{part}' -> {method})"
+    return VLLM_METHOD_FALLBACK, f"no method and no 'eagle3' in the path -> {VLLM_METHOD_FALLBACK}"
+
+
+def speculators_spec(config: dict, path: str) -> tuple[dict[str, Any], Optional[str]]:
+    """`vllm serve SPECULATORS_DIR`: the speculative config vLLM builds from the checkpoint, and the
+    target it serves (speculators_config.verifier.name_or_path)."""
+    sc = config.get("speculators_config") or {}
+    proposals = sc.get("proposal_methods") or [{}]
+    spec = {"method": sc.get("algorithm") or config.get(SPECULATORS_KEY), "model": path,
+            "num_speculative_tokens": proposals[0].get("speculative_tokens")}
+    return spec, (sc.get("verifier") or {}).get("name_or_path")
