@@ -1,8 +1,7 @@
 """One check result for every checker: the target/draft contract (draft/contract.py) and the doctor
 (doctor/*). A Check is data: a name, a status, what was found and what to change.
 
-Statuses are pass | warn | fail. The contract's historic spellings ok and error are accepted and
-compare equal to pass and fail (Status below is the only place that maps them).
+Statuses are pass | warn | fail (the contract's old ok / error are gone: one vocabulary).
 """
 from __future__ import annotations
 
@@ -12,34 +11,19 @@ from typing import Any, Optional
 from .errors import ContractError
 
 STATUSES = ("pass", "warn", "fail")
-ALIASES = {"ok": "pass", "error": "fail"}
 
 
-class Status(str):
-    """A status string in STATUSES; equal to its alias (Status("pass") == "ok")."""
-
-    def __new__(cls, value: str) -> "Status":
-        canonical = ALIASES.get(value, value)
-        if canonical not in STATUSES:
-            raise ValueError(f"check status {value!r} not in {STATUSES} (aliases {ALIASES})")
-        return super().__new__(cls, canonical)
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, str):
-            return str.__eq__(self, ALIASES.get(other, other))
-        return NotImplemented
-
-    def __ne__(self, other: object) -> bool:
-        equal = self.__eq__(other)
-        return equal if equal is NotImplemented else not equal
-
-    __hash__ = str.__hash__     # of the canonical spelling
+def Status(value: str) -> str:
+    """`value` if it is one of STATUSES, else ValueError naming them."""
+    if value not in STATUSES:
+        raise ValueError(f"check status {value!r} not in {STATUSES}")
+    return str(value)
 
 
 @dataclass(frozen=True)
 class Check:
     name: str                       # dotted, e.g. "contract.fc_width", "launch.vllm.layer_ids"
-    status: Status                  # pass | warn | fail (a plain str is converted)
+    status: str                     # pass | warn | fail (checked)
     message: str = ""               # what was found, with both values (derived from field/found/expected)
     fix: str = ""                   # what to change (empty on pass)
     field: Optional[str] = None     # a compared field: its name, the value found and the value expected

@@ -27,7 +27,7 @@ def test_good_pair_passes(target):
     draft = tiny_draft(target)
     assert check_pair(target.config, draft, algorithm="EAGLE3", target=target) == []
     checks = run_checks(target.config, draft, target=target)
-    assert checks and all(c.status == "ok" for c in checks)
+    assert checks and all(c.status == "pass" for c in checks)
 
 
 # ---------------------------------------------------------------------------- the incident
@@ -129,10 +129,10 @@ def test_embedding_must_be_attached(target, tmp_path):
 def test_run_checks_reports_everything_without_raising(target):
     draft = tiny_draft(tiny_target(vocab_size=80), ids=(2, 4, 5, 9))
     checks = run_checks(target.config, draft, algorithm="eagle")
-    errors = {c.field for c in checks if c.status == "error"}
+    errors = {c.field for c in checks if c.status == "fail"}
     assert {"algorithm", "vocab_size", "aux_layer_ids"} <= errors
     assert any(c.status == "warn" and c.field == "aux_layer_ids count" for c in checks)
-    assert all(c.status in ("ok", "warn", "error") and c.message for c in checks)
+    assert all(c.status in ("pass", "warn", "fail") and c.message for c in checks)
 
 
 def test_warnings_are_returned(target):

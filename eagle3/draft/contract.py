@@ -21,7 +21,7 @@ DraftBase.check_features (draft.py): the silent skip of fc behind the zero-accep
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 
@@ -32,7 +32,12 @@ from ..models.config import ModelConfig
 
 if TYPE_CHECKING:
     from .model import DraftBase
-    from .formats import DraftInfo
+
+
+class DraftInfo(Protocol):
+    """What the contract reads of a checkpoint's inspection (formats.DraftInfo has it)."""
+    embedding_source: str        # "target" | "checkpoint"
+    embedding_attached: bool
 
 ALGORITHM_NAMES = {"eagle3": "eagle3", "eagle-3": "eagle3", "eagle_3": "eagle3",
                    "eagle": "eagle", "eagle1": "eagle", "eagle2": "eagle", "eagle-1": "eagle",
