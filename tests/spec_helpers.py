@@ -149,3 +149,20 @@ def chi_square_p(counts: torch.Tensor, probs: torch.Tensor, min_expected: float 
     if dof == 0:
         return 1.0                       # one possible outcome, and nothing else was emitted
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+def hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[T, V] -> [T, V]: an independent reference for the processed sampling distribution,
+    transformers' own warpers (temperature, then top-k, then top-p, as generate() orders them)
+    applied to the logits, then softmax."""
+    from transformers.generation.logits_process import (TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
+    warpers = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    scores = logits.float().reshape(-1, logits.shape[-1])
+    for warp in warpers:
+        scores = warp(None, scores)
+    return torch.softmax(scores, dim=-1).view(logits.shape)

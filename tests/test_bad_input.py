@@ -77,6 +77,22 @@ def test_truncated_gguf(tmp_path, monkeypatch):
         gguf_to_hf_dir(bad)
 
 
+def test_loader_takes_str_paths_like_path_objects(saved_tiny, tmp_path):
+    from eagle3.adapters.hf import load_hf_model
+    from eagle3.runtime.loader import checkpoint_files, read_hf_config
+    by_path, by_str = load_model(saved_tiny), load_model(str(saved_tiny))
+    for (name, a), (_, b) in zip(by_path.state_dict().items(), by_str.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert read_hf_config(str(saved_tiny)) == read_hf_config(saved_tiny)
+    assert checkpoint_files(str(saved_tiny)) == checkpoint_files(saved_tiny)
+    assert resolve_model(saved_tiny).hf_dir == resolve_model(str(saved_tiny)).hf_dir == saved_tiny
+    assert load_hf_model(str(saved_tiny)).config.hidden_size == by_path.config.hidden_size
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"NOPE" + b"\x00" * 64)
+    with pytest.raises(LoadError, match="not a GGUF"):
+        gguf_to_hf_dir(str(bad))
+
+
 def test_missing_model_path():
     with pytest.raises(LoadError, match="not found"):
         resolve_model("/nonexistent/model")

@@ -256,6 +256,42 @@ def test_roofline_counts_what_a_forward_reads(one_thread):  # noqa: F811
     assert "4: " in costs_text(costs)
 
 
+def hand_count_weight_bytes(vocab, hidden, intermediate, layers, heads, kv_heads, gemm_bytes):
+    """One-token weight reads of an untied Llama, from its shape alone: per layer q, k, v, o
+    (head_dim = hidden / heads) and gate, up, down at the GEMM dtype plus two fp32 norms; the
+    final fp32 norm; the lm_head; the embedding reads one row (not counted)."""
+    head_dim = hidden // heads
+    per_layer = hidden * head_dim * (2 * heads + 2 * kv_heads) + 3 * hidden * intermediate
+    return (layers * per_layer + vocab * hidden) * gemm_bytes + (2 * layers + 1) * hidden * 4
+
+
+class Ticks:
+    """A clock that moves `step_s` per reading: every timed interval is exactly one step."""
+
+    def __init__(self, step_s: float):
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):  # noqa: F811
+    shape = dict(vocab=48, hidden=32, intermediate=80, layers=3)
+    for dtype, gemm_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
+        target = pack_for_inference(tiny_target(**shape), dtype)     # fused qkv / gate_up, packed
+        want = hand_count_weight_bytes(**shape, heads=4, kv_heads=2, gemm_bytes=gemm_bytes)
+        assert read_bytes_per_forward(target) == want, dtype
+    # each copy, sum and forward takes one 2 ms tick; a 4 MiB copy reads and writes 8 MiB
+    roof = measure(target, want, context=8, mib=4, clock=Ticks(2e-3))
+    assert roof.copy_gb_s == pytest.approx(8 * 2**20 / 2e-3 / 1e9)
+    assert roof.read_gb_s == pytest.approx(4 * 2**20 / 2e-3 / 1e9)
+    assert roof.forward_ms == pytest.approx(2.0)
+    assert roof.bound_ms == pytest.approx(1e3 * want * 2e-3 / (8 * 2**20))   # weights at copy speed
+    assert roof.ratio == pytest.approx(8 * 2**20 / want)
+    assert roof.ratio_read == pytest.approx(4 * 2**20 / want)
+
+
 @pytest.mark.real
 def test_bench_main_quick_on_the_real_model(tmp_path, capsys):
     from eagle3.bench import bench_main

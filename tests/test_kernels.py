@@ -6,6 +6,7 @@ from eagle3 import kernels
 from eagle3.runtime.backend import STABLE_ROWS, choose_backend
 from eagle3.runtime.linear import PackedLinear
 from eagle3.speculative.tree import MAX_DRAFT_TOKENS
+from spec_helpers import one_thread  # noqa: F401  (fixture)
 
 needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
                            reason=f"small-M kernels not available here: {kernels.why()}")
@@ -77,8 +78,38 @@ def test_packed_linear_uses_the_kernel_for_small_blocks_only():
     assert torch.equal(stable(x)[:, 7:8], stable(x[:, 7:8]))
 
 
-def test_stable_rows_cover_every_verify_block():
-    assert STABLE_ROWS == MAX_DRAFT_TOKENS
+@needs_bf16
+def test_a_row_stable_target_verifies_the_largest_admitted_block_like_decoding(one_thread):  # noqa: F811
+    """Every verify block SpecParams admits stays on the row-stable path: a chain of the largest
+    admitted size verified in one forward by a bf16 row-stable target (as load_engine packs it)
+    gives each row's logits bit for bit as decoding it. (An fp32 target matched here even past
+    the kernels' rows, so it could not show a verify block leaving them.)"""
+    from spec_helpers import tiny_target
+    from eagle3.errors import InputError
+    from eagle3.models.layers import tree_block_mask
+    from eagle3.models.llama import LlamaModel
+    from eagle3.runtime.target import build_target
+    from eagle3.speculative.tree import SpecParams
+    block = MAX_DRAFT_TOKENS
+    SpecParams(top_k=32, depth=2, num_draft_tokens=block)          # admitted (1056 candidates)...
+    with pytest.raises(InputError, match="num_draft_tokens"):
+        SpecParams(top_k=32, depth=2, num_draft_tokens=block + 1)  # ...and the largest admitted
+    prefix = 5
+    base = tiny_target(layers=2)
+    model = LlamaModel(base.config, max_position=prefix + block)
+    model.load_state_dict(base.state_dict())
+    model = build_target(model.eval(), torch.bfloat16, row_stable=True)
+    ids = torch.randint(0, base.config.vocab_size, (1, prefix + block),
+                        generator=torch.Generator().manual_seed(4))
+    cache = model.new_cache(prefix + block)
+    model(ids[:, :prefix], torch.arange(prefix), cache)
+    chain = torch.ones(block, block, dtype=torch.bool).tril()
+    verify = model(ids[:, prefix:], torch.arange(prefix, prefix + block), cache,
+                   attn_mask=tree_block_mask(prefix, chain)).logits[0]
+    cache.truncate(prefix)
+    for t in range(block):
+        one = model(ids[:, prefix + t:prefix + t + 1], torch.tensor([prefix + t]), cache).logits[0, 0]
+        assert torch.equal(one, verify[t]), t
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

@@ -113,11 +113,15 @@ def test_packed_model_matches_unpacked(pair):
 
 
 def test_top_p_filter_head_equals_full_sort():
+    from transformers.generation.logits_process import TopPLogitsWarper
     from eagle3.sampling import top_p_filter
     gen = torch.Generator().manual_seed(0)
     for scale in (0.5, 3.0, 10.0):           # flat (fallback) to peaked (head path)
-        probs = torch.softmax(scale * torch.randn(4, 1000, generator=gen), dim=-1)
+        logits = scale * torch.randn(4, 1000, generator=gen)
+        probs = torch.softmax(logits, dim=-1)
         for top_p in (0.3, 0.9, 0.99):
             fast = top_p_filter(probs, top_p, head=16)
             full = top_p_filter(probs, top_p, head=1000)
             assert torch.allclose(fast, full, atol=1e-7)
+            ref = torch.softmax(TopPLogitsWarper(top_p)(None, logits), dim=-1)   # transformers'
+            assert torch.equal(fast == 0, ref == 0) and torch.allclose(fast, ref, atol=1e-6)

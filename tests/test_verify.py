@@ -7,7 +7,7 @@ import torch
 from eagle3.sampling import SamplingParams, target_probs
 from eagle3.speculative.tree import build_tree
 from eagle3.speculative.verify import verify_greedy, verify_sampled
-from spec_helpers import chi_square_p, one_thread  # noqa: F401  (fixture)
+from spec_helpers import chi_square_p, hf_probs, one_thread  # noqa: F401  (fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def sampled_counts(logits, params, num: int, seed: int = 0):
 
 
 def check_lossless(logits, params, num: int = 6000):
-    probs = target_probs(logits, params)
+    probs = hf_probs(logits, params)                             # transformers' warpers: independent
     first, second = sampled_counts(logits, params, num)
     assert chi_square_p(first, probs[0]) > 0.01
     for node, counts in second.items():                          # token 1 -> node 1, 2 -> node 2
@@ -96,6 +96,38 @@ def test_sampled_is_lossless_at_temperature_one():
 def test_sampled_is_lossless_with_top_p_top_k_and_temperature():
     check_lossless(skewed_logits(2), SamplingParams(temperature=1.5, top_p=0.8))
     check_lossless(skewed_logits(3), SamplingParams(temperature=1.3, top_k=4))
+
+
+def permuted_rows(values: list[float], rows: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.tensor(values)
+    return torch.stack([base[torch.randperm(len(values), generator=gen)] for _ in range(rows)])
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
+    SamplingParams(temperature=1.3, top_p=0.9), SamplingParams(temperature=0.8, top_k=40, top_p=0.6),
+    SamplingParams(temperature=2.0, top_k=999), SamplingParams(temperature=0.5, top_p=0.999)])
+def test_target_probs_equal_transformers_warpers(params):
+    gen = torch.Generator().manual_seed(11)
+    for scale in (0.5, 3.0, 10.0):
+        logits = scale * torch.randn(4, 1000, generator=gen)
+        ours, ref = target_probs(logits, params), hf_probs(logits, params)
+        assert torch.equal(ours == 0, ref == 0) and torch.allclose(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_target_probs_equal_transformers_warpers_on_ties():
+    # top-k keeps every token tied with the k-th; top-p cuts between tied groups here
+    # (sorted masses .3 .3 .15 .15 .05 .05: the mass before each is 0 .3 .6 .75 .9 .95)
+    tied_k = torch.randint(0, 4, (6, 40), generator=torch.Generator().manual_seed(2)).float()
+    masses = permuted_rows([0.3, 0.3, 0.15, 0.15, 0.05, 0.05], 6, seed=3).log()
+    for logits, params in [(tied_k, SamplingParams(temperature=1.0, top_k=7)),
+                           (tied_k, SamplingParams(temperature=0.6, top_k=1)),
+                           (masses, SamplingParams(temperature=1.0, top_p=0.8)),
+                           (masses, SamplingParams(temperature=1.0, top_k=3, top_p=0.5))]:
+        ours, ref = target_probs(logits, params), hf_probs(logits, params)
+        assert torch.equal(ours == 0, ref == 0) and torch.allclose(ours, ref, atol=1e-6)
+    assert (target_probs(tied_k, SamplingParams(temperature=1.0, top_k=7)) > 0).sum(-1).min() > 7
 
 
 def test_chi_square_detects_a_lossy_rule():
@@ -132,7 +164,7 @@ def test_plain_sampling_follows_the_processed_distribution():
     params = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)
     gen = torch.Generator().manual_seed(5)
     draws = sample_next(logits.repeat(4000, 1), params, gen)
-    probs = target_probs(logits, params)
+    probs = hf_probs(logits[None], params)[0]
     counts = torch.bincount(draws, minlength=40)
     assert counts[probs == 0].sum() == 0 and chi_square_p(counts, probs) > 0.01
 

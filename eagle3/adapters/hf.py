@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
@@ -214,10 +215,11 @@ def _cache_kwarg(lm: nn.Module) -> str:
 
 
 # ---------------------------------------------------------------------------- loading
-def load_hf_model(hf_dir: Path, device: str | torch.device = "cpu",
+def load_hf_model(hf_dir: str | os.PathLike, device: str | torch.device = "cpu",
                   dtype: torch.dtype = torch.float32, trust_remote_code: bool = False) -> nn.Module:
     """transformers' own class for `architectures[0]`, from local safetensors only, SDPA attention."""
     import transformers
+    hf_dir = Path(hf_dir)
     from ..runtime.loader import checkpoint_files, read_hf_config
     checkpoint_files(hf_dir)  # raises LoadError unless safetensors are there
     hf = read_hf_config(hf_dir)

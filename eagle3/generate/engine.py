@@ -3,7 +3,7 @@
 An Engine owns a target (and optionally a draft), their preallocated caches and the tokenizer. It
 serves one sequence at a time; `stream` yields Chunks, `generate` collects them into a
 GenerationResult. The per-step token source is a Decoder: PlainDecoder, or the speculative decoder
-from eagle3.spec when a draft is attached.
+from eagle3.speculative when a draft is attached.
 """
 from __future__ import annotations
 

@@ -59,3 +59,13 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+
+    def take_rows(self, rows: torch.Tensor) -> "KVCache":
+        """A new cache of batch rows `rows` (same max_len, dtype, device) holding their live slots."""
+        num_layers, _, num_kv_heads, max_len, head_dim = self.k.shape
+        out = KVCache(num_layers, num_kv_heads, head_dim, max_len, len(rows), self.k.dtype, self.k.device)
+        live = slice(0, self.length)
+        out.k[:, :, :, live] = self.k[:, rows, :, live]
+        out.v[:, :, :, live] = self.v[:, rows, :, live]
+        out.length = self.length
+        return out

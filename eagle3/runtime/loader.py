@@ -39,8 +39,9 @@ class ModelSource:
     gguf: Optional[Path] = None
 
 
-def resolve_model(spec: Optional[str]) -> ModelSource:
+def resolve_model(spec: Optional[str | os.PathLike]) -> ModelSource:
     """`None`/"smollm2" -> packaged default; a .gguf file; or an HF directory with config.json."""
+    spec = None if spec is None else os.fspath(spec)
     if spec in (None, "", "default", DEFAULT_MODEL):
         gguf = default_target_gguf()
         return ModelSource(spec or DEFAULT_MODEL, gguf_to_hf_dir(gguf), gguf)
@@ -61,7 +62,7 @@ def _gguf_key(path: Path) -> str:
     return hashlib.sha1(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
-def check_gguf_header(path: Path) -> None:
+def check_gguf_header(path: str | os.PathLike) -> None:
     with open(path, "rb") as f:
         head = f.read(8)
     if len(head) < 8 or head[:4] != b"GGUF":
@@ -71,8 +72,9 @@ def check_gguf_header(path: Path) -> None:
         raise LoadError(f"{path}: unsupported GGUF version {version}")
 
 
-def gguf_to_hf_dir(path: Path) -> Path:
+def gguf_to_hf_dir(path: str | os.PathLike) -> Path:
     """Dequantise a GGUF once into a cached HF directory; return it."""
+    path = Path(path)
     out = cache_root() / "gguf" / f"{path.stem}-{_gguf_key(path)}"
     if (out / "model.safetensors").is_file():
         return out
@@ -104,9 +106,9 @@ def gguf_to_hf_dir(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------- weights
-def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+def read_hf_config(hf_dir: str | os.PathLike) -> dict[str, Any]:
     try:
-        return json.loads((hf_dir / "config.json").read_text())
+        return json.loads((Path(hf_dir) / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise LoadError(f"{hf_dir}/config.json: unreadable ({e})") from None
 
@@ -121,7 +123,8 @@ def read_safetensors(files: list[Path]) -> dict[str, torch.Tensor]:
     return state
 
 
-def checkpoint_files(hf_dir: Path) -> list[Path]:
+def checkpoint_files(hf_dir: str | os.PathLike) -> list[Path]:
+    hf_dir = Path(hf_dir)
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
         shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -167,10 +170,11 @@ def load_state_strict(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
         raise LoadError(f"missing key(s) in checkpoint: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
 
 
-def load_model(hf_dir: Path, device: str | torch.device = "cpu",
+def load_model(hf_dir: str | os.PathLike, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32, max_position: Optional[int] = None) -> LlamaModel:
     """Strictly load an HF directory into the native (reference) model, frozen; the inference
     layout is built from it by runtime.target.build_target."""
+    hf_dir = Path(hf_dir)
     cfg = ModelConfig.from_hf(read_hf_config(hf_dir))
     with torch.device("meta"):
         model = LlamaModel(cfg, max_position)
@@ -184,6 +188,6 @@ def load_model(hf_dir: Path, device: str | torch.device = "cpu",
     return model
 
 
-def load_tokenizer(hf_dir: Path):
+def load_tokenizer(hf_dir: str | os.PathLike):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(str(hf_dir))

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import json
-import tomllib
+import os
+import types
+import typing
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from ..errors import InputError
 
@@ -69,7 +71,73 @@ class TrainConfig:
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     @classmethod
-    def from_file(cls, path: Path) -> "TrainConfig":
+    def from_file(cls, path: str | os.PathLike) -> "TrainConfig":
+        path = Path(path)
         text = path.read_text()
-        d = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        d = toml_reader().loads(text) if path.suffix == ".toml" else json.loads(text)
         return cls.from_dict(d)
+
+
+def toml_reader() -> types.ModuleType:
+    """tomllib (Python 3.11+), else its backport tomli, which pyproject declares for Python 3.10."""
+    try:
+        import tomllib
+        return tomllib
+    except ImportError:
+        pass
+    try:
+        import tomli
+        return tomli
+    except ImportError:
+        raise InputError("a TOML training config needs tomllib (Python 3.11+) or tomli on Python "
+                         "3.10: pip install tomli, or give the config as JSON") from None
+
+
+# ---------------------------------------------------------------------------- --set KEY=VALUE
+def parse_override(item: str) -> tuple[str, Any]:
+    """`KEY=VALUE` -> (key, value) typed by the field: string fields take the text as it is (a JSON
+    string, list or null when it parses as one the field accepts), other fields take JSON."""
+    key, sep, text = item.partition("=")
+    hints = typing.get_type_hints(TrainConfig)
+    if not sep:
+        raise InputError(f"--set {item!r}: expected KEY=VALUE, e.g. --set lr=1e-4")
+    if key not in hints:
+        raise InputError(f"--set {key}: unknown training option; known: {sorted(hints)}")
+    hint = hints[key]
+    try:
+        value = _tuples(json.loads(text))
+    except json.JSONDecodeError:
+        value = text
+    if not _conforms(value, hint) and _conforms(text, hint):
+        value = text                                   # plain text for a string field
+    if not _conforms(value, hint):
+        raise InputError(f"--set {key}={text!r}: expected {_type_name(hint)}, e.g. --set "
+                         f"{key}={json.dumps(asdict(TrainConfig())[key])}")
+    return key, value
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (Union, types.UnionType):
+        return any(_conforms(value, a) for a in args)
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(v, args[0]) for v in value)
+        return len(value) == len(args) and all(_conforms(v, a) for v, a in zip(value, args))
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")

@@ -23,7 +23,7 @@ from ..errors import ContractError, InputError
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
 from ..draft.model import DraftConfig, Eagle3Draft
-from .config import TrainConfig
+from .config import TrainConfig, parse_override
 from .features import Batch, FeatureCache, FeatureSource, Sample, build_cache, load_conversations
 from .trainer import Cursor, Dist, Run, TrainState, load_checkpoint, make_optimizer, restore, train_loop
 from .ttt import TTTConfig, TTTModel
@@ -214,8 +214,9 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     ap.add_argument("--target", help="target model (.gguf, HF dir, or 'smollm2')")
     ap.add_argument("--out", help="run directory (data, features, checkpoint, log, exported draft)")
     ap.add_argument("--data", help="conversations.jsonl from the data step (default <out>/data/...)")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
-                    help="override one config field, e.g. --set lr=1e-4 --set epochs=3")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override one config field, e.g. --set lr=1e-4 --set epochs=3 --set "
+                         "autocast=bf16 (JSON for numbers, booleans, lists and null)")
     ap.add_argument("--dry-run", action="store_true", help="tiny random model, synthetic data, a few steps")
     args = ap.parse_args(argv)
     d = TrainConfig.from_file(args.config).to_dict() if args.config else {}
@@ -223,8 +224,8 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
         if getattr(args, key):
             d[key] = getattr(args, key)
     for item in args.set:
-        key, _, value = item.partition("=")
-        d[key] = json.loads(value) if value[:1] in "[{0123456789-tfn\"" else value
+        key, value = parse_override(item)
+        d[key] = value
     return TrainConfig.from_dict(d), args
 
 

@@ -25,8 +25,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from ..sampling import sample_rows
 from ..models.llama import LlamaModel
-from ..models.kv_cache import KVCache
 from .data import Prompt
 
 
@@ -64,19 +64,14 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
 
 
 def pick_tokens(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    # logits [B, V], temps [B] (0 = greedy) -> [B]
-    greedy = logits.argmax(-1)
-    scaled = logits.float() / temps.clamp_min(1e-6)[:, None]
-    sampled = torch.multinomial(torch.softmax(scaled, -1), 1, generator=gen)[:, 0]
-    return torch.where(temps > 0, sampled, greedy)
-
-
-def shrink_cache(cache: KVCache, rows: torch.Tensor) -> KVCache:
-    """A cache holding only batch rows `rows` (same length)."""
-    out = KVCache.__new__(KVCache)
-    out.k, out.v = cache.k[:, rows].contiguous(), cache.v[:, rows].contiguous()
-    out.max_len, out.length = cache.max_len, cache.length
-    return out
+    # logits [B, V], temps [B] (0 = greedy) -> [B]; sampled rows draw from softmax(logits / t)
+    # through the decoder's sampler, in row order, one draw per sampled row
+    tokens = logits.argmax(-1)
+    hot = (temps > 0).nonzero()[:, 0]
+    if len(hot):
+        probs = torch.softmax(logits[hot].float() / temps[hot, None], dim=-1)
+        tokens[hot] = sample_rows(probs, gen)
+    return tokens
 
 
 def generate_batch(model: LlamaModel, prompts: Sequence[Sequence[int]], temps: Sequence[float],
@@ -106,7 +101,7 @@ def generate_batch(model: LlamaModel, prompts: Sequence[Sequence[int]], temps: S
         keep = (~done).nonzero()[:, 0]
         if len(keep) < len(live):
             live, tok, next_pos, valid = live[keep], tok[keep], next_pos[keep], valid[keep]
-            cache = shrink_cache(cache, keep)
+            cache = cache.take_rows(keep)
         valid = torch.cat([valid, torch.ones(len(live), 1, dtype=torch.bool)], dim=1)
         mask = valid[:, None, None, :]                                        # [B, 1, 1, S]
         logits = model(tok[:, None], next_pos[:, None], cache, attn_mask=mask).logits
