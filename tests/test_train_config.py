@@ -12,7 +12,7 @@ from packaging.specifiers import SpecifierSet
 from eagle3.cli import main
 from eagle3.errors import InputError
 from eagle3.train.config import TrainConfig
-from eagle3.train.pipeline import parse_args
+from eagle3.train.cli import parse_args
 
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 

@@ -3,6 +3,7 @@
 Entry point: `train_main(argv)` (`eagle3 train`, `python -m eagle3.train`, torchrun for DDP).
 """
 from .config import TrainConfig
-from .pipeline import train, train_main
+from .cli import train_main
+from .pipeline import train
 
 __all__ = ["TrainConfig", "train", "train_main"]

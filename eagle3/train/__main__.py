@@ -1,5 +1,5 @@
 import sys
 
-from .pipeline import train_main
+from .cli import train_main
 
 sys.exit(train_main(sys.argv[1:]))
