@@ -93,7 +93,9 @@ def info_cmd(args: argparse.Namespace) -> int:
             ("default capture ids (input to layer i)", list(cfg.default_aux_layer_ids)),
             ("same ids, output-of-layer convention", [i - 1 for i in cfg.default_aux_layer_ids])]
     from .kernels import why
+    from .threads import describe
     rows.append(("CPU small-M linear kernels", why()))
+    rows.append(("CPU threads", describe()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

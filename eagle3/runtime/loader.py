@@ -8,11 +8,14 @@ safetensors (or torch.load with weights_only=True) is ever read: nothing is unpi
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import shutil
 import struct
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -40,7 +43,20 @@ class ModelSource:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("EAGLE3_CACHE", Path.home() / ".cache" / "eagle3"))
+    """$EAGLE3_CACHE, else ~/.cache/eagle3; without a home directory, a temp dir (said once)."""
+    if os.environ.get("EAGLE3_CACHE"):
+        return Path(os.environ["EAGLE3_CACHE"]).expanduser()
+    home = os.path.expanduser("~")
+    if home.startswith("~"):   # HOME unset and no passwd entry: "~" would be a relative path
+        return _no_home_cache(Path(tempfile.gettempdir()) / f"eagle3-{os.getuid()}")
+    return Path(home) / ".cache" / "eagle3"
+
+
+@functools.lru_cache(maxsize=None)
+def _no_home_cache(path: Path) -> Path:
+    print(f"eagle3: no home directory (HOME unset); caching in {path} (set EAGLE3_CACHE to choose)",
+          file=sys.stderr)
+    return path
 
 
 def resolve_model(spec: Optional[str]) -> ModelSource:
