@@ -20,6 +20,20 @@ needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
                            reason=f"small-M kernels not available here: {kernels.why()}")
 
 
+@pytest.mark.lossless
+def test_the_kernels_follow_the_switch_and_build_where_the_cpu_runs_them():
+    """Runs in both CI passes: off under EAGLE3_KERNELS=0; otherwise a CPU with the AVX-512 the
+    kernels need must have them built (a failed build would only skip the kernel tests)."""
+    st = kernels.state()
+    if os.environ.get("EAGLE3_KERNELS") == "0":
+        assert st.module is None, "EAGLE3_KERNELS=0 but the kernels are in use"
+    elif not kernels.NEED_FLAGS <= kernels.cpu_flags():
+        pytest.skip(f"CPU lacks {sorted(kernels.NEED_FLAGS - kernels.cpu_flags())}")
+    else:
+        assert st.module is not None, f"this CPU has AVX-512 but the kernels did not build: {st.reason}"
+        assert st.bf16 == (kernels.BF16_FLAG in kernels.cpu_flags())
+
+
 def test_the_build_finds_the_environments_ninja_without_path(monkeypatch, tmp_path):
     """`.venv/bin/eagle3` runs without the venv on PATH: torch runs `ninja` from PATH."""
     from torch.utils.cpp_extension import is_ninja_available

@@ -287,6 +287,7 @@ def test_real_smollm2_random_draft_greedy_identical(real_model):
         assert all(s.proposed == spec.num_draft_tokens - 1 for s in got.decode_steps)
 
 
+@pytest.mark.lossless
 def test_bf16_weights_stay_close_to_fp32():
     """bf16 GEMM weights: close to fp32 (not equal: the weights and GEMM inputs are rounded)."""
     import copy
@@ -322,6 +323,7 @@ def path_logits_one_by_one(model, prefix: torch.Tensor, tree, node: int) -> torc
     return logits
 
 
+@pytest.mark.lossless
 @needs_bf16
 def test_bf16_target_verify_equals_decode_bit_for_bit():
     """bf16 GEMM weights round every input, so a last-bit difference between a verify block and
@@ -344,6 +346,7 @@ def test_bf16_target_verify_equals_decode_bit_for_bit():
         assert torch.equal(block.logits[0, j], path_logits_one_by_one(model, prefix, tree, j)), j
 
 
+@pytest.mark.lossless
 @needs_bf16
 def test_real_smollm2_bf16_speculation_is_token_identical(real_model):
     """The packaged model with bf16 weights (load_engine(weights="bf16")): greedy speculation with
@@ -360,6 +363,7 @@ def test_real_smollm2_bf16_speculation_is_token_identical(real_model):
         assert got.tau > 1.2           # the draft proposed and some proposals were accepted
 
 
+@pytest.mark.lossless
 @needs_bf16
 def test_bf16_draft_weights_keep_greedy_identity(target, reference):
     """The draft only proposes: packing it with bf16 weights changes proposals, never the output."""
