@@ -56,6 +56,16 @@ def test_cache_root_without_a_home_is_absolute_and_said(monkeypatch, capsys):
     assert "HOME unset" in capsys.readouterr().err
 
 
+def test_an_unwritable_gguf_cache_is_a_load_error_naming_the_fix(monkeypatch, tmp_path):
+    from eagle3.errors import LoadError
+    from eagle3.runtime.loader import gguf_to_hf_dir
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little"))
+    monkeypatch.setenv("EAGLE3_CACHE", "/proc/eagle3-cache")
+    with pytest.raises(LoadError, match="cannot write the GGUF cache .*EAGLE3_CACHE"):
+        gguf_to_hf_dir(gguf)
+
+
 def test_an_unwritable_cache_falls_back_to_a_temp_dir(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("EAGLE3_CACHE", "/proc/eagle3-cache")       # cannot be created, even by root
     monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path))
