@@ -46,11 +46,17 @@ def test_a_user_wait_policy_is_respected():
 
 @pytest.mark.skipif(kernels.small_linear(torch.float32) is None, reason="small-M kernels not built here")
 def test_the_kernels_share_torchs_openmp_runtime():
-    """One OpenMP runtime in the process, so one wait policy and one thread count for both."""
+    """The extension's libgomp.so.1 is torch's copy: one runtime, one wait policy and thread count.
+    (Wheels such as sentencepiece carry private, renamed copies for their own use.)"""
     kernels.parallel_threads()
+    shared = {"libgomp.so.1", "libgomp.so.1.0.0", "libiomp5.so", "libomp.so"}
     runtimes = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                if any(name in line for name in ("libgomp", "libiomp", "libomp"))}
+                if line.split()[-1].rsplit("/", 1)[-1] in shared}
     assert len(runtimes) == 1, runtimes
+    ldd = subprocess.run(["ldd", kernels.state().module.__file__], capture_output=True, text=True).stdout
+    (line,) = [l for l in ldd.splitlines() if "libgomp.so.1 =>" in l]
+    # the rpath makes `ldd` (and a process that has not loaded torch's copy yet) agree
+    assert Path(line.split("=>")[1].split("(")[0].strip()).resolve() == Path(runtimes.pop()).resolve(), line
 
 
 @pytest.mark.real
