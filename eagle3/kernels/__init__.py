@@ -12,7 +12,8 @@ a bf16 target be row-stable without fp64 attention (5x cheaper for a decode step
     packed = pack_weight(w, dtype)     # once, at pack time
     y = kernel(x, packed, bias, out_features)
 
-EAGLE3_KERNELS=0 switches them off (the oneDNN path then serves every call).
+EAGLE3_KERNELS=0 switches them off (the oneDNN path then serves every call). How and where they
+are built (cache key, temp-dir fallback, ninja, the build lock): kernels/build.py.
 """
 from __future__ import annotations
 

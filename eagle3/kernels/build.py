@@ -36,6 +36,11 @@ class BuildError(RuntimeError):
     """The kernels cannot be built here; the message says why and what to do."""
 
 
+class Built(NamedTuple):
+    module: object              # the loaded extension
+    build_dir: Path
+
+
 class Compiler(NamedTuple):
     path: str
     version: str                # the full `--version` output
@@ -162,8 +167,8 @@ def build_lock(build_dir: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
         os.close(fd)         # drops the flock
 
 
-def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> tuple[object, Path]:
-    """Build (or load the cached) extension; (module, its directory). Raises BuildError."""
+def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> Built:
+    """Build (or load the cached) extension. Raises BuildError where it cannot be built here."""
     compiler = find_compiler()
     key = build_key(source.read_bytes(), cflags, ldflags, compiler)
     build_dir = build_root() / key
@@ -184,4 +189,4 @@ def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> tup
             raise
         if fresh:
             print(f" done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
-    return module, build_dir
+    return Built(module, build_dir)
