@@ -61,7 +61,9 @@ def info_cmd(args: argparse.Namespace) -> int:
             ("same ids, output-of-layer convention (SpecForge eagle_config)",
              NESTED_OUTPUT.as_stored(cfg.default_aux_layer_ids))]
     from .kernels import why
+    from .threads import describe
     rows.append(("CPU small-M linear kernels", why()))
+    rows.append(("CPU threads", describe()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

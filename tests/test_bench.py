@@ -22,8 +22,8 @@ from eagle3.bench.systems import GenParams, HFSystem, build_ours, cut_at_stop
 from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
 from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
 from eagle3.errors import InputError
-from eagle3.generate import Engine
 from eagle3.runtime.target import build_target
+from eagle3.generate import Engine
 from eagle3.speculative.tree import SpecParams
 from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
 
@@ -279,7 +279,7 @@ class Ticks:
 def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):  # noqa: F811
     shape = dict(vocab=48, hidden=32, intermediate=80, layers=3)
     for dtype, gemm_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
-        target = pack_for_inference(tiny_target(**shape), dtype)     # fused qkv / gate_up, packed
+        target = build_target(tiny_target(**shape), dtype)           # fused qkv / gate_up, packed
         want = hand_count_weight_bytes(**shape, heads=4, kv_heads=2, gemm_bytes=gemm_bytes)
         assert read_bytes_per_forward(target) == want, dtype
     # each copy, sum and forward takes one 2 ms tick; a 4 MiB copy reads and writes 8 MiB

@@ -94,6 +94,7 @@ def test_default_capture_ids():
     assert cfg.default_aux_layer_ids == (2, 15, 27)
 
 
+@pytest.mark.lossless
 def test_packed_model_matches_unpacked(pair):
     import copy
 

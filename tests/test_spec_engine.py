@@ -300,6 +300,7 @@ def test_real_smollm2_random_draft_greedy_identical(real_model):
         assert all(s.proposed == spec.num_draft_tokens - 1 for s in got.decode_steps)
 
 
+@pytest.mark.lossless
 def test_bf16_weights_stay_close_to_fp32():
     """bf16 GEMM weights: close to fp32 (not equal: the weights and GEMM inputs are rounded)."""
     import copy
@@ -335,6 +336,7 @@ def path_logits_one_by_one(model, prefix: torch.Tensor, tree, node: int) -> torc
     return logits
 
 
+@pytest.mark.lossless
 @needs_bf16
 def test_bf16_target_verify_equals_decode_bit_for_bit():
     """bf16 GEMM weights round every input, so a last-bit difference between a verify block and
@@ -357,6 +359,7 @@ def test_bf16_target_verify_equals_decode_bit_for_bit():
         assert torch.equal(block.logits[0, j], path_logits_one_by_one(model, prefix, tree, j)), j
 
 
+@pytest.mark.lossless
 @needs_bf16
 def test_real_smollm2_bf16_speculation_is_token_identical(real_model):
     """The packaged model with bf16 weights (load_engine(weights="bf16")): greedy speculation with
@@ -373,6 +376,7 @@ def test_real_smollm2_bf16_speculation_is_token_identical(real_model):
         assert got.tau > 1.2           # the draft proposed and some proposals were accepted
 
 
+@pytest.mark.lossless
 @needs_bf16
 def test_bf16_draft_weights_keep_greedy_identity(target, reference):
     """The draft only proposes: packing it with bf16 weights changes proposals, never the output."""
@@ -421,3 +425,24 @@ def test_drafting_stops_early_only_when_the_tree_cannot_change(target, spec):
         dec.step()
     assert calls["full"] == 12 * (spec.depth - 1)
     assert calls["early"] < calls["full"]      # a random draft is unsure: the stop does happen
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("spec", [SpecParams.chain(4), SpecParams(3, 4, 10, 0.0), SpecParams(4, 5, 8, 0.05)])
+def test_greedy_identical_through_the_inference_layouts(target, reference, weights, spec):
+    """Speculation on the inference layouts load_engine builds (whatever backend this machine and
+    EAGLE3_KERNELS give: avx512, or onednn with fp64 row-stable attention) equals plain decoding
+    on the same target layout, token for token."""
+    from eagle3.api import build_layouts
+    if weights == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("no oneDNN bf16 here")
+    laid_target, _ = build_layouts(target, None, weights)
+    want = Engine(laid_target, StubTokenizer(), max_model_len=200).generate(
+        prompt_ids=PROMPT, params=GREEDY).token_ids
+    draft = oracle_draft(target, PROMPT + want)       # steered to this layout's own output
+    _, laid_draft = build_layouts(target, draft, weights, "bf16" if weights == "bf16" else "fp32")
+    steered = OracleLayout(laid_draft, draft)
+    result = spec_engine(laid_target, steered, spec).generate(prompt_ids=PROMPT, params=GREEDY)
+    assert result.token_ids == want
+    assert result.tau > 1.5            # the oracle's proposals were verified and accepted

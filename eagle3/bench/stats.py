@@ -6,6 +6,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Sequence
 
+from ..speculative.step import acceptance_stats
+
 BASELINES = {"hf": "hf-generate", "plain": "ours-plain"}
 
 

@@ -12,11 +12,11 @@ a bf16 target be row-stable without fp64 attention (5x cheaper for a decode step
     packed = pack_weight(w, dtype)     # once, at pack time
     y = kernel(x, packed, bias, out_features)
 
-EAGLE3_KERNELS=0 switches them off (the oneDNN path then serves every call).
+EAGLE3_KERNELS=0 switches them off (the oneDNN path then serves every call). How and where they
+are built (cache key, temp-dir fallback, ninja, the build lock): kernels/build.py.
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -26,16 +26,22 @@ import torch
 
 SOURCE = Path(__file__).with_name("gemv.cpp")
 BLOCK = 32                      # outputs per packed block (gemv.cpp kBlock)
+NEED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+BF16_FLAG = "avx512_bf16"       # /proc/cpuinfo's name; linear_bf16 is handed out only with it
 # no FMA contraction: where a kernel replaces torch ops (rope_qkv) it must round as they do.
 # -fopenmp: at::parallel_for is an OpenMP pragma in the headers; without the flag every kernel
-# ran on one thread whatever torch.get_num_threads() said
-CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+# ran on one thread whatever torch.get_num_threads() said. No -mavx512bf16: the bf16 functions
+# carry target("avx512bf16") in gemv.cpp, so no other code can hold an AVX512-BF16 instruction.
+CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# rpath: resolve libgomp.so.1 to torch's copy (the one already loaded), as `ldd` shows too
+LDFLAGS = ["-fopenmp", f"-Wl,-rpath,{Path(torch.__file__).parent / 'lib'}"]
 
 
 class KernelState(NamedTuple):
     module: Optional[object]    # the built extension, or None
     reason: str                 # why it is (not) in use
     bf16: bool                  # the CPU has AVX512-BF16 (linear_bf16 may run)
+    build_dir: Optional[Path] = None
 
 
 _STATE: Optional[KernelState] = None
@@ -56,24 +62,20 @@ def _build() -> KernelState:
     if os.environ.get("EAGLE3_KERNELS", "1") == "0":
         return KernelState(None, "off (EAGLE3_KERNELS=0)", False)
     flags = cpu_flags()
-    need = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
-    if not need <= flags:
-        return KernelState(None, f"CPU lacks {sorted(need - flags)}", False)
-    from ..paths import cache_root
-    from torch.utils.cpp_extension import load
-    digest = hashlib.sha1(SOURCE.read_bytes() + " ".join(CFLAGS).encode()
-                          + torch.__version__.encode()).hexdigest()[:12]
-    build_dir = cache_root() / "kernels" / digest
-    build_dir.mkdir(parents=True, exist_ok=True)
+    if not NEED_FLAGS <= flags:
+        return KernelState(None, f"CPU lacks {sorted(NEED_FLAGS - flags)}", False)
+    from .build import BuildError, build
     try:
-        module = load(f"eagle3_gemv_{digest}", [str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                      build_directory=str(build_dir), verbose=False)
-    except Exception as exc:  # a compiler or ninja missing: oneDNN serves every call
+        module, build_dir = build("eagle3_gemv", SOURCE, CFLAGS, LDFLAGS)
+    except BuildError as exc:
+        print(f"eagle3: small-M kernels off: {exc}", file=sys.stderr)
+        return KernelState(None, f"not built: {exc}", False)
+    except Exception as exc:  # the compiler failed: oneDNN serves every call
         print(f"eagle3: small-M kernels not built ({type(exc).__name__}: {exc}); using oneDNN",
               file=sys.stderr)
         return KernelState(None, f"build failed: {type(exc).__name__}", False)
-    bf16 = "avx512_bf16" in flags
-    return KernelState(module, "avx512" + (" + bf16" if bf16 else " (fp32 only)"), bf16)
+    bf16 = BF16_FLAG in flags
+    return KernelState(module, "avx512" + (" + bf16" if bf16 else " (fp32 only)"), bf16, build_dir)
 
 
 def state() -> KernelState:

@@ -41,14 +41,19 @@ inline void store(float* y, __m512 a0, __m512 a1, const float* bias, int valid) 
   }
 }
 
+// The build has no -mavx512bf16: only functions marked BF16 may hold AVX512-BF16 instructions,
+// and only linear_bf16 (after a CPU check) calls them. Check: objdump -d the .so | grep vdpbf16ps
+// finds it in tile_bf16<*> only (tests/test_kernels.py).
+#define BF16 __attribute__((target("avx512bf16")))
+
 // The two weight formats differ only in how a weight vector is loaded, an input broadcast and the
 // multiply-accumulate done: bf16 pairs (16 lanes x 2 inputs, dot products) or fp32 (16 x 1, FMA).
 struct Bf16Ops {
   using T = uint32_t;              // a pair of bf16 values
   using V = __m512bh;
-  static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
-  static V bcast(T x) { return (V)_mm512_set1_epi32((int)x); }
-  static __m512 fma(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
+  BF16 static V load(const T* p) { return (V)_mm512_loadu_si512(p); }
+  BF16 static V bcast(T x) { return (V)_mm512_set1_epi32((int)x); }
+  BF16 static __m512 fma(__m512 acc, V x, V w) { return _mm512_dpbf16_ps(acc, x, w); }
 };
 
 struct Fp32Ops {
@@ -74,6 +79,13 @@ void tile(const typename Ops::T* x, int64_t ldx, const typename Ops::T* w, int64
     }
   }
   for (int j = 0; j < MT; ++j) store(y + j * ldy, a0[j], a1[j], bias, valid);
+}
+
+// tile<Bf16Ops, MT> compiled for AVX512-BF16: flatten inlines it and Bf16Ops into this function
+template <int MT>
+BF16 __attribute__((flatten)) void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth,
+                                             float* y, int64_t ldy, const float* bias, int valid) {
+  tile<Bf16Ops, MT>(x, ldx, w, depth, y, ldy, bias, valid);
 }
 
 template <typename T, typename F>
@@ -112,8 +124,8 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const c10::optio
 
 using TileBf16 = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, const float*, int);
 using TileFp32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, int);
-const TileBf16 kTilesBf16[kMaxTile] = {tile<Bf16Ops, 1>, tile<Bf16Ops, 2>, tile<Bf16Ops, 3>, tile<Bf16Ops, 4>,
-                                       tile<Bf16Ops, 5>, tile<Bf16Ops, 6>, tile<Bf16Ops, 7>, tile<Bf16Ops, 8>};
+const TileBf16 kTilesBf16[kMaxTile] = {tile_bf16<1>, tile_bf16<2>, tile_bf16<3>, tile_bf16<4>,
+                                       tile_bf16<5>, tile_bf16<6>, tile_bf16<7>, tile_bf16<8>};
 const TileFp32 kTilesFp32[kMaxTile] = {tile<Fp32Ops, 1>, tile<Fp32Ops, 2>, tile<Fp32Ops, 3>, tile<Fp32Ops, 4>,
                                        tile<Fp32Ops, 5>, tile<Fp32Ops, 6>, tile<Fp32Ops, 7>, tile<Fp32Ops, 8>};
 
@@ -122,6 +134,8 @@ const TileFp32 kTilesFp32[kMaxTile] = {tile<Fp32Ops, 1>, tile<Fp32Ops, 2>, tile<
 // packed [O/32, I/2, 32, 2] bf16; x [M, I] bf16 with I == 2 * packed.size(1)
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
                           int64_t out_features) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "linear_bf16 needs a CPU with AVX512-BF16; "
+              "use fp32 weights (eagle3.kernels hands this kernel out only where the CPU has it)");
   check(x, packed, bias, out_features, torch::kBFloat16);
   TORCH_CHECK(x.size(1) == 2 * packed.size(1), "x width ", x.size(1), " != packed width ", 2 * packed.size(1));
   const int64_t M = x.size(0);

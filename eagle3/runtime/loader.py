@@ -78,6 +78,11 @@ def gguf_to_hf_dir(path: str | os.PathLike) -> Path:
     out = cache_root() / "gguf" / f"{path.stem}-{_gguf_key(path)}"
     if (out / "model.safetensors").is_file():
         return out
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise LoadError(f"cannot write the GGUF cache {out.parent} ({e}). Fix: set EAGLE3_CACHE to a "
+                        f"writable directory") from None
     check_gguf_header(path)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     try:

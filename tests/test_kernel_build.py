@@ -1,0 +1,194 @@
+"""Building the kernels: ninja without PATH, unwritable caches, stale locks, the cache key, the bf16
+target attributes and the first-build message (issue #15, item 9)."""
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3 import kernels
+from eagle3.kernels import build
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16_OPS = ("vdpbf16ps", "vcvtne2ps2bf16", "vcvtneps2bf16")   # the AVX512-BF16 instructions
+needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
+                           reason=f"small-M kernels not available here: {kernels.why()}")
+
+
+@pytest.mark.lossless
+def test_the_kernels_follow_the_switch_and_build_where_the_cpu_runs_them():
+    """Runs in both CI passes: off under EAGLE3_KERNELS=0; otherwise a CPU with the AVX-512 the
+    kernels need must have them built (a failed build would only skip the kernel tests)."""
+    st = kernels.state()
+    if os.environ.get("EAGLE3_KERNELS") == "0":
+        assert st.module is None, "EAGLE3_KERNELS=0 but the kernels are in use"
+    elif not kernels.NEED_FLAGS <= kernels.cpu_flags():
+        pytest.skip(f"CPU lacks {sorted(kernels.NEED_FLAGS - kernels.cpu_flags())}")
+    else:
+        assert st.module is not None, f"this CPU has AVX-512 but the kernels did not build: {st.reason}"
+        assert st.bf16 == (kernels.BF16_FLAG in kernels.cpu_flags())
+
+
+def test_the_build_finds_the_environments_ninja_without_path(monkeypatch, tmp_path):
+    """`.venv/bin/eagle3` runs without the venv on PATH: torch runs `ninja` from PATH."""
+    from torch.utils.cpp_extension import is_ninja_available
+    monkeypatch.setenv("PATH", str(tmp_path))          # no ninja (nor anything else) here
+    assert not is_ninja_available()
+    with build.ninja_on_path():
+        assert is_ninja_available()
+    assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_cache_root_without_a_home_is_absolute_and_said(monkeypatch, capsys):
+    import pwd
+    from eagle3 import paths
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.delenv("EAGLE3_CACHE", raising=False)
+    monkeypatch.setattr(pwd, "getpwuid", lambda uid: (_ for _ in ()).throw(KeyError(uid)))
+    paths._no_home_cache.cache_clear()
+    root = paths.cache_root()
+    assert root.is_absolute()                          # was Path("~/.cache/eagle3"), relative
+    assert "HOME unset" in capsys.readouterr().err
+
+
+def test_an_unwritable_gguf_cache_is_a_load_error_naming_the_fix(monkeypatch, tmp_path):
+    from eagle3.errors import LoadError
+    from eagle3.runtime.loader import gguf_to_hf_dir
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" + (3).to_bytes(4, "little"))
+    monkeypatch.setenv("EAGLE3_CACHE", "/proc/eagle3-cache")
+    with pytest.raises(LoadError, match="cannot write the GGUF cache .*EAGLE3_CACHE"):
+        gguf_to_hf_dir(gguf)
+
+
+def test_an_unwritable_cache_falls_back_to_a_temp_dir(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("EAGLE3_CACHE", "/proc/eagle3-cache")       # cannot be created, even by root
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(tmp_path))
+    root = build.build_root()
+    assert root == tmp_path / f"eagle3-{os.getuid()}" / "kernels" and root.is_dir()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not writable" in err[0] and str(root) in err[0]
+
+
+def test_no_writable_directory_turns_the_kernels_off_with_the_reason(monkeypatch, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("EAGLE3_CACHE", str(blocker / "cache"))     # under a file: cannot exist
+    monkeypatch.setattr(build.tempfile, "gettempdir", lambda: str(blocker))
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: set(kernels.NEED_FLAGS))
+    st = kernels._build()
+    assert st.module is None and "EAGLE3_CACHE" in st.reason
+    assert "kernels off" in capsys.readouterr().err
+
+
+def test_the_cache_key_covers_the_python_abi_and_the_compiler(monkeypatch):
+    gcc = build.Compiler("/usr/bin/c++", "c++ (Debian 12.2.0-14) 12.2.0")
+    base = build.build_key(b"src", ["-O3"], ["-fopenmp"], gcc)
+    assert build.build_key(b"src", ["-O3"], ["-fopenmp"], gcc) == base
+    assert build.build_key(b"src", ["-O3"], ["-fopenmp"], gcc._replace(version="c++ 13.1")) != base
+    assert build.build_key(b"src", ["-O3"], ["-fopenmp"], gcc._replace(path="/opt/c++")) != base
+    monkeypatch.setattr(sys.implementation, "cache_tag", "cpython-399")
+    tagged = build.build_key(b"src", ["-O3"], ["-fopenmp"], gcc)
+    assert tagged != base
+    real = build.sysconfig.get_config_var
+    monkeypatch.setattr(build.sysconfig, "get_config_var",
+                        lambda name: "other-abi" if name == "SOABI" else real(name))
+    assert build.build_key(b"src", ["-O3"], ["-fopenmp"], gcc) != tagged
+
+
+def test_a_missing_compiler_is_named(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    with pytest.raises(build.BuildError, match="CXX='no-such-c\\+\\+' is not on PATH"):
+        build.find_compiler()
+
+
+def test_a_live_builder_is_waited_for_then_named(tmp_path):
+    holder = os.open(tmp_path / build.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    os.write(holder, b"4242")
+    fcntl.flock(holder, fcntl.LOCK_EX)                 # another build, alive
+    try:
+        with pytest.raises(build.BuildError, match="pid 4242 has held"):
+            with build.build_lock(tmp_path, wait_s=0.3):
+                pass
+    finally:
+        os.close(holder)
+    with build.build_lock(tmp_path, wait_s=0.3):       # released: taken at once
+        assert (tmp_path / build.LOCK_NAME).read_text() == str(os.getpid())
+
+
+@needs
+def test_a_stale_torch_lock_from_a_killed_build_is_cleared(tmp_path):
+    """A build stopped half way leaves <dir>/lock; torch then waits for it forever."""
+    built = kernels.state().build_dir
+    copy = tmp_path / "kernels" / built.name
+    shutil.copytree(built, copy, ignore=shutil.ignore_patterns(build.LOCK_NAME))
+    (copy / build.TORCH_LOCK).write_text("")
+    env = {**os.environ, "EAGLE3_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", "from eagle3 import kernels; print(kernels.why())"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    assert "avx512" in out.stdout and "stale build lock" in out.stderr
+    assert not (copy / build.TORCH_LOCK).exists()
+
+
+def test_the_first_build_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    import torch.utils.cpp_extension as cpp
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+
+    def fake_load(name, sources, build_directory, **kw):   # what a build leaves behind
+        (Path(build_directory) / f"{name}.so").write_text("")
+        return object()
+
+    monkeypatch.setattr(cpp, "load", fake_load)
+    build.build("eagle3_gemv", kernels.SOURCE, kernels.CFLAGS, kernels.LDFLAGS)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and re.search(r"building the CPU kernels .* done in \d+\.\d s$", err[0]), err
+    build.build("eagle3_gemv", kernels.SOURCE, kernels.CFLAGS, kernels.LDFLAGS)
+    assert capsys.readouterr().err == ""                # cached: silent
+
+
+def _functions_with(so: Path, ops: tuple[str, ...]) -> set[str]:
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(so)], capture_output=True,
+                          text=True, check=True).stdout
+    found, name = set(), None
+    for line in text.splitlines():
+        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
+        if head:
+            name = head.group(1)
+        elif name and any(op in line for op in ops):
+            found.add(name)
+    return found
+
+
+@needs
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+def test_avx512_bf16_instructions_sit_only_in_the_attributed_functions():
+    """No -mavx512bf16 for the whole file: only target("avx512bf16") functions may hold them."""
+    holders = _functions_with(Path(kernels.state().module.__file__), BF16_OPS)
+    assert holders, "linear_bf16's dot products are gone"
+    assert all(re.search(r"\btile_bf16<\d>\(", f) for f in holders), sorted(holders)
+    assert "-mavx512bf16" not in kernels.CFLAGS
+
+
+@needs
+def test_without_avx512_bf16_no_bf16_kernel_is_handed_out(monkeypatch, tmp_path):
+    """The CPU flag gate: bf16 packing then takes oneDNN, and no layer gets the bf16 one-call path."""
+    from eagle3.runtime.target import build_target
+    from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
+    flags = kernels.cpu_flags() - {kernels.BF16_FLAG}
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "_STATE", None)
+    assert kernels.small_linear(torch.float32) is not None
+    assert kernels.small_linear(torch.bfloat16) is None and not kernels.state().bf16
+    model = native_from_hf(hf_model_from_dict(FAMILIES["llama3"]), tmp_path)
+    model = build_target(model, torch.bfloat16, row_stable=True)
+    linears = model.linears
+    assert linears and all(l.small is None and l.onednn is not None for l in linears)
+    assert all(layer.one_call is None for layer in model.layers)
+    out = model(torch.tensor([[1, 2, 3]]), torch.arange(3), model.new_cache(8))
+    assert torch.isfinite(out.logits).all()
