@@ -526,7 +526,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
   m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32");
-  py::class_<LayerWeights>(m, "LayerWeights", "one decoder layer's packed weights and shapes")
+  py::class_<LayerWeights>(m, "LayerWeights", py::module_local(), "one decoder layer's packed weights and shapes")
       .def(py::init([](torch::Tensor norm1, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
                        torch::Tensor o_w, c10::optional<torch::Tensor> o_b, torch::Tensor norm2,
                        torch::Tensor gate_up_w, torch::Tensor down_w, double eps1, double eps2,

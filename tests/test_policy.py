@@ -1,0 +1,86 @@
+"""The adaptive step's policy (pure: a cost table and steps in, a choice out) and the cost table."""
+from __future__ import annotations
+
+import pytest
+
+from eagle3.runtime.costs import CostTable, machine_costs
+from eagle3.speculative.policy import PLAIN, AdaptivePolicy, name_of
+from eagle3.speculative.step import Step
+from eagle3.speculative.tree import SpecParams
+
+ROWS = (1, 2, 4, 8, 16)
+TABLE = CostTable(ROWS, (10.0, 10.5, 11.0, 13.0, 19.0), (1.0, 1.0, 1.1, 1.3, 1.8))
+TREE, CHAIN = SpecParams(4, 5, 8, 0.0), SpecParams.chain(3)
+
+
+def feed(policy, arm, accepted: int, proposed: int, levels: int, wall_ms: float = 0.0):
+    policy.observe(arm, Step([0] * (accepted + 1), accepted, proposed=proposed), levels, wall_ms)
+
+
+def test_cost_table_interpolates_and_extrapolates():
+    assert TABLE.target(1) == 10.0 and TABLE.target(3) == pytest.approx(10.75)
+    assert TABLE.target(24) == pytest.approx(25.0)           # slope of the last segment
+    assert TABLE.draft(4) == pytest.approx(1.1)
+    assert CostTable.from_json(TABLE.to_json()) == TABLE
+
+
+def test_untried_shapes_go_first_then_the_best_rate():
+    p = AdaptivePolicy((TREE, CHAIN), TABLE, probe_every=0)
+    assert p.choose() == TREE
+    feed(p, TREE, accepted=2, proposed=7, levels=4)            # 3 tokens / (13 + 4 * 1.1) ms
+    assert p.choose() == CHAIN
+    feed(p, CHAIN, accepted=0, proposed=3, levels=2)           # 1 token / (11 + 2 * 1.0) ms
+    assert p.choose() == TREE
+    assert p.rate(TREE) == pytest.approx(3 / (13 + 4 * 1.1))
+
+
+def test_falls_back_to_plain_when_nothing_is_accepted_and_probes_again():
+    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8)
+    choices = []
+    for _ in range(16):
+        arm = p.choose()
+        choices.append(arm)
+        if arm == PLAIN:
+            feed(p, PLAIN, 0, 0, 0)
+        else:
+            feed(p, TREE, accepted=0, proposed=7, levels=5)
+    assert choices[0] == TREE and choices[1] == PLAIN         # one step shows the draft does not pay
+    assert choices[7] == TREE and choices[15] == TREE         # probed every 8 steps
+    assert choices.count(PLAIN) == 13
+    assert p.summary()["chosen"] == {"tree4x5n8": 3, PLAIN: 13}
+
+
+def test_plain_is_never_chosen_when_not_allowed_and_a_good_draft_stays():
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0, allow_plain=False)
+    feed(p, TREE, accepted=0, proposed=7, levels=5)
+    assert p.choose() == TREE
+    q = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    for _ in range(5):
+        feed(q, q.choose(), accepted=3, proposed=7, levels=4)
+    assert q.choose() == TREE and q.chosen["tree4x5n8"] == 5
+
+
+def test_overhead_is_the_average_wall_time_past_the_forwards():
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    feed(p, TREE, accepted=1, proposed=3, levels=2, wall_ms=11.0 + 2 * 1.1 + 3.0)   # 4 rows
+    feed(p, TREE, accepted=1, proposed=3, levels=2, wall_ms=11.0 + 2 * 1.1 + 1.0)
+    assert p.overhead_ms == pytest.approx(2.0)
+    assert name_of(SpecParams(4, 5, 8, 0.05)) == "tree4x5n8p0.05" and name_of(CHAIN) == "chain3"
+
+
+def test_machine_costs_are_cached_per_key(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from spec_helpers import tiny_draft, tiny_target
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    target = tiny_target(layers=2)
+    draft = tiny_draft(target)
+    table = machine_costs(target, draft, reps=1)
+    assert len(table.target_ms) == len(table.rows) and len(table.draft_ms) == len(table.rows)
+    assert all(ms > 0 for ms in table.target_ms + table.draft_ms)
+    files = list((tmp_path / "costs").glob("*.json"))
+    assert len(files) == 1
+    files[0].write_text(CostTable(ROWS, (1.0,) * 5, (2.0,) * 5).to_json())   # the cache is read
+    assert machine_costs(target, draft).target(1) == 1.0
+    assert machine_costs(target, draft, remeasure=True, reps=1).rows == table.rows
