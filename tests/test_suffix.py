@@ -209,3 +209,14 @@ def test_eviction_leaves_the_trie_of_the_remaining_sequences():
     assert counts(cache) == counts(rebuilt(cache))
     assert set(cache.trie.root.older) == set(range(151, 249))  # ends 2..99; no 1 is left
     assert all(isinstance(c, _Tail) for c in cache.trie.root.older.values())   # novel: no splits
+
+
+def test_a_copied_index_is_independent():
+    import copy
+    index = SuffixIndex()
+    index.extend([1, 2, 3, 1, 2])
+    twin = copy.deepcopy(index)
+    index.extend([9, 9, 9])
+    twin.extend([3])
+    assert twin.propose(2) == [SuffixCandidate([1, 2], 3, 1)]
+    assert index.propose(1) == [SuffixCandidate([9], 2, 1)]

@@ -246,8 +246,11 @@ class SuffixIndex:
         if max_candidates < 1:
             raise InputError(f"SuffixIndex max_candidates must be >= 1, got {max_candidates}")
         self.tokens: list[int] = []
-        self.trie = _ContextTrie(min_match, max_match, self.tokens.__getitem__)
-        self.max_candidates, self.cache = max_candidates, cache
+        self.trie = _ContextTrie(min_match, max_match, self._token_at)   # a method of self, so
+        self.max_candidates, self.cache = max_candidates, cache          # copy.deepcopy works
+
+    def _token_at(self, pos: int) -> int:
+        return self.tokens[pos]
 
     def extend(self, tokens: Iterable[int]) -> None:
         for tok in tokens:
