@@ -105,7 +105,8 @@ def test_merged_trees_keep_the_layout_invariants(seed):
     for _ in range(40):
         vocab = rng.randint(2, 5)
         tokens, parents = random_draft_tree(rng, rng.randint(2, 9), vocab)
-        conts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))] for _ in range(rng.randint(1, 3))]
+        conts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+                 for _ in range(rng.randint(1, 3))]
         budget = rng.randint(0, 10)
         m = merge_suffix(tokens, parents, conts, budget)
         paths = paths_of(m.tokens, m.parents)
@@ -172,15 +173,18 @@ def sample_pairs(tree, logits, probs2, params, num: int, seed: int = 0):
     for _ in range(num):
         acc = verify_sampled(logits, tree, params, gen)
         first = acc.tokens[0]
-        second = acc.tokens[1] if len(acc.tokens) > 1 else int(torch.multinomial(probs2[first], 1, generator=gen))
+        if len(acc.tokens) > 1:
+            second = acc.tokens[1]
+        else:                                        # the next step's first token
+            second = int(torch.multinomial(probs2[first], 1, generator=gen))
         counts[first, second] += 1
         via_suffix += any(tree.sources[t] == SUFFIX for t in acc.nodes[1:])
     return counts, via_suffix
 
 
 @pytest.mark.usefixtures("one_thread")
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_p=0.9)],
-                         ids=["t1", "top_p"])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_p=0.9)], ids=["t1", "top_p"])
 @pytest.mark.parametrize("name", list(MIXED))
 def test_mixed_trees_are_lossless(name, params):
     tokens, parents, conts = MIXED[name]

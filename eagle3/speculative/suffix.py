@@ -227,7 +227,8 @@ class SuffixCache:
 
     def propose(self, context: Sequence[int], max_tokens: int, limit: int,
                 exclude: Iterable[int] = ()) -> list[SuffixCandidate]:
-        """Continuations of stored occurrences of `context`'s suffixes (first tokens not in exclude)."""
+        """Continuations of stored occurrences of `context`'s suffixes, first tokens not in
+        `exclude`."""
         out = []
         for length, _, count, at in self.trie.ranked(context, limit, set(exclude)):
             i = bisect_right(self.starts, at) - 1
@@ -267,7 +268,8 @@ class SuffixIndex:
         out = []
         for length, _, count, e in self.trie.ranked(seq, self.max_candidates, set()):
             period = n - e
-            out.append(SuffixCandidate([seq[e + j % period] for j in range(max_tokens)], length, count))
+            cont = [seq[e + j % period] for j in range(max_tokens)]
+            out.append(SuffixCandidate(cont, length, count))
         if self.cache is not None and len(out) < self.max_candidates:
             out += self.cache.propose(seq, max_tokens, self.max_candidates - len(out),
                                       {c.tokens[0] for c in out})
