@@ -3,6 +3,12 @@
 One step reads like the algorithm: draft a tree -> verify it in one target forward -> accept ->
 commit the accepted path in the target cache -> extend the draft over the accepted tokens.
 
+With spec.suffix_tokens > 0 the drafted tree also gets up to that many nodes from suffix matches
+over the prompt and the output so far (suffix.py; merged in merge.py, one host copy of the tree
+per step). Suffix nodes are ordinary tree nodes to the verify forward, so they get target features
+there and the draft extends over them like over draft nodes; a suffix chain can reach below
+spec.depth (the verify block is at most spec.max_tree_size rows, inside spec.cache_slack).
+
 Cache bookkeeping (n = target cache length at the start of a step):
 
     target cache   tokens 0..n-1; the root (last emitted token, position n) is not cached yet
@@ -29,6 +35,8 @@ from .step import Step
 from ..models.layers import tree_block_mask
 from ..models.kv_cache import KVCache
 from ..draft.model import DraftBase
+from .merge import SUFFIX, merge_suffix
+from .suffix import SuffixCache, SuffixIndex
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
 from .verify import Acceptance, verify_greedy, verify_sampled
@@ -44,7 +52,8 @@ class SpecDecoder:
     """Implements eagle3.generate.types.Decoder with a draft model and tree verification."""
 
     def __init__(self, target, draft: DraftBase, cache: KVCache, draft_cache: KVCache,
-                 params: SamplingParams, spec: Optional[SpecParams] = None):
+                 params: SamplingParams, spec: Optional[SpecParams] = None,
+                 suffix_cache: Optional[SuffixCache] = None):
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
         self.params, self.spec = params, spec or SpecParams()
         cfg = draft.config
@@ -61,6 +70,8 @@ class SpecDecoder:
         self.eye = torch.eye(self.spec.top_k, dtype=torch.bool, device=self.device)
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.head: Optional[DraftHead] = None
+        self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
+        self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
 
     # ------------------------------------------------------------------ decoder interface
     @torch.inference_mode()
@@ -76,7 +87,11 @@ class SpecDecoder:
         self.root = sample_next(out.logits[0, -1], self.params, self.gen).view(1)
         t1 = time.perf_counter()
         self._extend(torch.cat([ids[1:], self.root]), self._features(out)[0], start=0)
-        return Step([int(self.root)], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
+        root = int(self.root)
+        if self.spec.suffix_tokens:
+            self.suffix = SuffixIndex(cache=self.suffix_cache)
+            self.suffix.extend(list(prompt_ids) + [root])
+        return Step([root], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
 
     @torch.inference_mode()
     def step(self) -> Step:
@@ -93,9 +108,11 @@ class SpecDecoder:
         self.root = torch.tensor(acc.tokens[-1:], device=self.device)
         emitted = torch.tensor(acc.tokens, device=self.device)
         self._extend(emitted, self._features(out)[0, kept], start)
+        if self.suffix is not None:
+            self.suffix.extend(acc.tokens)
         t3 = time.perf_counter()
         return Step(acc.tokens, acc.accept_len, draft_s=(t1 - t0) + (t3 - t2), verify_s=t2 - t1,
-                    proposed=tree.size - 1)
+                    proposed=tree.size - 1, accepted_suffix=suffix_only(tree, acc.nodes))
 
     # ------------------------------------------------------------------ parts
     def _clock(self) -> float:
@@ -162,7 +179,19 @@ class SpecDecoder:
     def _layout(self, cands: Level, prefix_len: int) -> Tree:
         sel = select_nodes(cands, self.spec.num_draft_tokens, self.spec.min_score)
         tokens = torch.cat([self.root, self.draft.to_target_ids(cands.tokens[sel.cand_idx])])
-        return build_tree(tokens, sel.parents, prefix_len, self.spec.depth)
+        if self.suffix is None:
+            return build_tree(tokens, sel.parents, prefix_len, self.spec.depth)
+        return self._with_suffix(tokens, sel.parents, prefix_len)
+
+    def _with_suffix(self, tokens: torch.Tensor, parents: torch.Tensor, prefix_len: int) -> Tree:
+        """The draft tree with the suffix continuations merged in. A continuation can follow draft
+        nodes for up to spec.depth tokens (free) before it adds up to suffix_tokens nodes."""
+        spec = self.spec
+        conts = [c.tokens for c in self.suffix.propose(spec.depth + spec.suffix_tokens)]
+        m = merge_suffix(tokens.tolist(), parents.tolist(), conts, spec.suffix_tokens)
+        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
+        return build_tree(as_tensor(m.tokens), as_tensor(m.parents), prefix_len,
+                          max(spec.depth, m.depth), m.sources)
 
     def _features(self, out) -> torch.Tensor:
         """What the draft reads from the target: captured aux states (EAGLE-3) or final hidden."""
@@ -176,3 +205,10 @@ class SpecDecoder:
         out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],
                          logits_rows=slice(-1, None))
         self.head = DraftHead(out.logits[0, -1], out.hidden[0, -1])
+
+
+def suffix_only(tree: Tree, nodes: list[int]) -> int:
+    """Accepted nodes (after the root) that only the suffix source proposed."""
+    if tree.sources is None:
+        return 0
+    return sum(tree.sources[t] == SUFFIX for t in nodes[1:])

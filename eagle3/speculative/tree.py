@@ -70,11 +70,17 @@ class SpecParams:
     the verify cost is flat in the tree size and 0 (always num_draft_tokens) is the usual choice.
     The default (4, 5, 8, 0.05) was the best shape at both temperatures together in
     `eagle3 bench --tune` on the 2-core CPU with the shipped draft (docs/bench.md).
+
+    `suffix_tokens` > 0 merges up to that many extra nodes per step from suffix matches over the
+    prompt and output so far (speculative/suffix.py, merge.py) into the tree: verified in the same
+    forward, so the block holds up to num_draft_tokens + suffix_tokens rows and a suffix chain can
+    reach below `depth`. 0 (the default) is off.
     """
     top_k: int = 4
     depth: int = 5
     num_draft_tokens: int = 8
     min_prob: float = 0.05
+    suffix_tokens: int = 0
 
     def __post_init__(self):
         if not 0.0 <= self.min_prob < 1.0:
@@ -82,6 +88,10 @@ class SpecParams:
         problem = tree_shape_problem(self.top_k, self.depth, self.num_draft_tokens)
         if problem:
             raise InputError(problem)
+        if not 0 <= self.suffix_tokens <= MAX_DRAFT_TOKENS - self.num_draft_tokens:
+            raise InputError(f"suffix_tokens must be in [0, {MAX_DRAFT_TOKENS - self.num_draft_tokens}] "
+                             f"(num_draft_tokens + suffix_tokens verified rows <= {MAX_DRAFT_TOKENS}), "
+                             f"got {self.suffix_tokens}; lower suffix_tokens or num_draft_tokens")
 
     @classmethod
     def chain(cls, depth: int, min_prob: float = 0.0) -> "SpecParams":
@@ -106,9 +116,14 @@ class SpecParams:
         return (self.depth - 1) * self.top_k
 
     @property
+    def max_tree_size(self) -> int:
+        """Verified rows of one step: the draft tree and the merged suffix nodes."""
+        return self.num_draft_tokens + self.suffix_tokens
+
+    @property
     def cache_slack(self) -> int:
         """Cache rows needed beyond prompt + max_new_tokens (verify block or draft tree rows)."""
-        return max(self.num_draft_tokens, self.draft_rows) + 1
+        return max(self.max_tree_size, self.draft_rows) + 1
 
 
 # ---------------------------------------------------------------------------- expansion
@@ -190,6 +205,8 @@ class Tree(NamedTuple):
     positions: torch.Tensor  # [T] int64; prefix_len + depth
     paths: torch.Tensor      # [T, max_depth+1] int64; row t = root..t indices, padded with -1
     is_leaf: torch.Tensor    # [T] bool
+    sources: Optional[list[int]] = None   # [T] merge.DRAFT/SUFFIX bits per node (host); None:
+                                          # every node but the root is a draft node
 
     @property
     def size(self) -> int:
@@ -214,10 +231,12 @@ def ancestry_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     return mask
 
 
-def build_tree(tokens: torch.Tensor, parents: torch.Tensor, prefix_len: int, max_depth: int) -> Tree:
+def build_tree(tokens: torch.Tensor, parents: torch.Tensor, prefix_len: int, max_depth: int,
+               sources: Optional[list[int]] = None) -> Tree:
     """tokens [T] (root first), parents [T] -> mask, positions, root-to-node paths.
 
-    `max_depth` bounds the depth of any node (the spec depth); no host sync.
+    `max_depth` bounds the depth of any node (the spec depth, or a merged tree's depth); no host
+    sync. `sources` (merge.py) is carried along for the acceptance statistics.
     """
     size = parents.numel()
     mask = ancestry_mask(parents, max_depth)
@@ -227,4 +246,4 @@ def build_tree(tokens: torch.Tensor, parents: torch.Tensor, prefix_len: int, max
     paths = keyed.masked_fill(keyed == size, -1)                # ancestors in index = depth order
     is_parent = torch.zeros(size, dtype=torch.bool, device=parents.device)
     is_parent[parents[1:]] = True
-    return Tree(tokens, parents, mask, depth, prefix_len + depth, paths, ~is_parent)
+    return Tree(tokens, parents, mask, depth, prefix_len + depth, paths, ~is_parent, sources)

@@ -14,6 +14,29 @@ rejecting c_1..c_{j-1}). On acceptance move to c_j; if every child is rejected (
 the bonus token is sampled from p_u with all children of u removed, renormalised. Each emitted
 token is thereby distributed exactly as p_u: the output distribution is the target's.
 
+Why, for ANY fixed set of distinct children (draft nodes, suffix nodes, or both; merge.py). Write
+p = p_u, r = 1 - sum_j p(c_j) and R_j = 1 - sum_{l<j} p(c_l) = p(c_j) + sum_{l>j} p(c_l) + r, the
+mass not yet rejected (R_1 = 1). Rejecting c_l has probability 1 - p(c_l)/R_l = R_{l+1}/R_l, so
+
+    P(emit c_j)      = prod_{l<j} R_{l+1}/R_l * p(c_j)/R_j = R_j * p(c_j)/R_j = p(c_j)
+    P(emit x), x not a child = P(all rejected) * p(x)/r = R_{m+1} * p(x)/r = r * p(x)/r = p(x)
+
+The emitted token is p-distributed; if it is a child c_j, the walk continues at c_j, whose logits
+are the target's for the path to c_j, so the next token is drawn from the target's next-token
+distribution by the same argument; a bonus token ends the step and the next step starts from the
+extended context. By induction every emitted sequence has the target's probability.
+
+The proposals enter only as the set {c_j}: the rule never reads a draft probability q(c_j) (unlike
+min(1, p/q) with a (p - q)+ residual, which needs the proposal density). So a deterministic suffix
+continuation (a point-mass proposal), top-k draft children, and siblings from both sources are all
+verified by the same rule, as long as the set is fixed before the walk draws its uniforms (draft
+and suffix candidates are functions of the context only). Where distinctness comes in: the
+telescoping needs R_{j+1} = R_j - p(c_j), each token's mass removed once, and the bonus row is p
+without the children (mass r). A token proposed twice under one node would count its mass twice:
+here rest = resid_mass + sum(child_p) = 1 + p(a), and a is emitted with probability
+p(a)/(1 + p(a)) + p(a)/(1 + p(a)) = 2p(a)/(1 + p(a)) > p(a) (tests/test_merge.py shows the bias).
+That is why merge.py joins a suffix token to an existing child with the same token.
+
 Both functions do their tensor work on the logits' device and copy to the host once (on the CPU
 the sampled bonus token is drawn after the walk, from the one row it needs).
 """

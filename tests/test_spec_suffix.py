@@ -1,0 +1,180 @@
+"""SpecDecoder with suffix candidates merged into its trees, on tiny random models: greedy
+identity, cache contents, lossless sampling, the cross-request cache, the option's checks."""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from eagle3.errors import InputError
+from eagle3.generate import SamplingParams
+from eagle3.speculative.decoder import SpecDecoder
+from eagle3.speculative.suffix import SuffixCache
+from eagle3.speculative.tree import SpecParams
+from spec_helpers import (chi_square_p, one_thread, oracle_draft, plain_greedy,  # noqa: F401
+                          spec_engine, tiny_draft, tiny_target)
+from test_spec_engine import exact_joint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]        # the target (vocab 8) falls into repeats after it
+MAX_NEW = 40
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+SHAPES = [SpecParams(1, 1, 2, 0.0, suffix_tokens=8), SpecParams(1, 3, 4, 0.0, suffix_tokens=4),
+          SpecParams(2, 3, 6, 0.0, suffix_tokens=6), SpecParams(3, 4, 10, 0.3, suffix_tokens=12)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(3, vocab=8, std=0.5)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return plain_greedy(target, PROMPT, MAX_NEW)
+
+
+def generate(target, draft, spec: SpecParams):
+    # the context is exactly prompt + max_new_tokens: the cache slack must hold the merged block
+    return spec_engine(target, draft, spec, max_len=len(PROMPT) + MAX_NEW).generate(
+        prompt_ids=PROMPT, params=GREEDY)
+
+
+# ---------------------------------------------------------------------------- greedy identity
+@pytest.mark.parametrize("spec", SHAPES, ids=str)
+def test_greedy_identical_with_suffix_candidates(target, reference, spec):
+    for draft in (tiny_draft(target), oracle_draft(target, PROMPT + reference)):
+        result = generate(target, draft, spec)
+        assert result.token_ids == reference
+        steps = result.decode_steps
+        assert all(0 <= s.accepted_suffix <= s.accepted for s in steps)
+        assert all(s.proposed <= spec.max_tree_size - 1 for s in steps)
+    random_draft = generate(target, tiny_draft(target), spec).decode_steps
+    assert sum(s.accepted_suffix for s in random_draft) > 0     # suffix nodes were accepted
+    draft_only = generate(target, tiny_draft(target), replace(spec, suffix_tokens=0)).decode_steps
+    assert sum(s.accepted for s in random_draft) > sum(s.accepted for s in draft_only)
+
+
+def test_a_suffix_chain_reaches_below_the_draft_depth(target, reference):
+    spec = SHAPES[0]                                            # draft depth 1, 8 suffix nodes
+    steps = generate(target, tiny_draft(target), spec).decode_steps
+    assert max(s.accepted for s in steps) > spec.depth          # more than the draft could give
+    draft = tiny_draft(target)
+    dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), SamplingParams(), spec)
+    dec.prefill(PROMPT + reference[:20], 8)                     # its root reference[20] ends a
+    assert dec.suffix.propose()                                 # repeated pair: a continuation
+    tree = dec.draft_tree()
+    assert int(tree.depth.max()) >= spec.suffix_tokens == tree.paths.shape[1] - 1
+    assert tree.size == spec.num_draft_tokens + spec.suffix_tokens
+
+
+def test_suffix_is_off_by_default(target, reference):
+    assert SpecParams().suffix_tokens == 0
+    draft = tiny_draft(target)
+    dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), SamplingParams())
+    dec.prefill(PROMPT, 8)
+    with torch.inference_mode():
+        assert dec.suffix is None and dec.draft_tree().sources is None
+
+
+def test_caches_after_suffix_steps_equal_one_pass_over_the_sequence(target, reference):
+    """Suffix nodes take their target features from the verify forward: the draft cache after
+    accepting them equals one pass over the sequence."""
+    draft = tiny_draft(target)
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), SamplingParams(),
+                      SHAPES[2])
+    emitted, suffix_accepted = dec.prefill(PROMPT, 64).tokens, 0
+    while len(emitted) < 30:
+        step = dec.step()
+        emitted += step.tokens
+        suffix_accepted += step.accepted_suffix
+    assert emitted == reference[:len(emitted)] and suffix_accepted > 0
+    seq = torch.tensor([PROMPT + emitted[:-1]])
+    length = seq.shape[1]
+    assert dec.cache.length == dec.draft_cache.length == length
+    full_cache, full_draft = target.new_cache(128), draft.new_cache(128)
+    out = target(seq, torch.arange(length), full_cache, capture_ids=draft.config.aux_layer_ids)
+    with torch.inference_mode():
+        draft(torch.tensor([PROMPT[1:] + emitted]), torch.arange(length), full_draft, features=out.aux)
+    for mine, want in ((dec.cache, full_cache), (dec.draft_cache, full_draft)):
+        assert torch.allclose(mine.k[..., :length, :], want.k[..., :length, :], atol=1e-4)
+        assert torch.allclose(mine.v[..., :length, :], want.v[..., :length, :], atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- lossless sampling
+def sample_two_after_first(dec: SpecDecoder, prompt: list[int], num: int):
+    """Like test_spec_engine.sample_after_first, rewinding the suffix index too. Returns t1,
+    counts [V, V] of (t2, t3), and the suffix-only tokens accepted."""
+    t1 = dec.prefill(prompt, 8).tokens[0]
+    saved = (dec.cache.length, dec.root, dec.head, copy.deepcopy(dec.suffix))
+    vocab = dec.target.config.vocab_size
+    counts, via_suffix = torch.zeros(vocab, vocab), 0
+    for _ in range(num):
+        dec.cache.truncate(saved[0])
+        dec.draft_cache.truncate(saved[0])
+        dec.root, dec.head, dec.suffix = saved[1], saved[2], copy.deepcopy(saved[3])
+        tokens = []
+        while len(tokens) < 2:
+            step = dec.step()
+            tokens += step.tokens
+            via_suffix += step.accepted_suffix
+        counts[tokens[0], tokens[1]] += 1
+    return t1, counts, via_suffix
+
+
+@pytest.mark.parametrize("params,spec,cut", [
+    (SamplingParams(temperature=1.0, seed=0), SpecParams(2, 2, 4, 0.0, suffix_tokens=4), 23),
+    (SamplingParams(temperature=0.8, top_p=0.8, seed=1), SpecParams(1, 1, 2, 0.0, suffix_tokens=6), 7),
+], ids=["t1-tree", "top_p-chain"])
+def test_sampling_with_suffix_candidates_is_lossless(target, reference, params, spec, cut):
+    """The prompts (greedy output cut where it repeats) make the target's next tokens the suffix
+    continuation about half the time (measured from the exact joint: 0.52 and 0.55)."""
+    prompt = PROMPT + reference[:cut]
+    draft = tiny_draft(target, 6)
+    dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), params, spec)
+    t1, counts, via_suffix = sample_two_after_first(dec, prompt, 600)
+    assert via_suffix > 150                                    # suffix tokens took part
+    assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01
+
+
+# ---------------------------------------------------------------------------- cross-request cache
+def test_cross_request_cache_proposes_an_earlier_answer(target, reference):
+    spec = SpecParams(1, 1, 2, 0.0, suffix_tokens=8)
+    draft = tiny_draft(target)
+    cache = SuffixCache(max_tokens=1000)
+
+    def run() -> list:
+        dec = SpecDecoder(target, draft, target.new_cache(96), draft.new_cache(96), SamplingParams(),
+                          spec, suffix_cache=cache)
+        steps = [dec.prefill(PROMPT, MAX_NEW)]
+        while sum(len(s.tokens) for s in steps) < MAX_NEW:
+            steps.append(dec.step())
+        return steps
+    alone = run()
+    cache.add(PROMPT + [t for s in alone for t in s.tokens])
+    again = run()
+    assert [t for s in again for t in s.tokens][:MAX_NEW] == reference
+    assert len(again) < len(alone)                   # the stored answer was proposed and accepted
+
+
+# ---------------------------------------------------------------------------- checks
+def test_suffix_tokens_is_checked_and_sized():
+    with pytest.raises(InputError, match="suffix_tokens"):
+        SpecParams(suffix_tokens=-1)
+    with pytest.raises(InputError, match="suffix_tokens"):
+        SpecParams(4, 5, 8, suffix_tokens=249)
+    assert SpecParams(4, 5, 8, suffix_tokens=248).max_tree_size == 256
+    assert SpecParams(4, 5, 8, 0.0, suffix_tokens=12).cache_slack == 8 + 12 + 1
+    assert SpecParams(4, 6, 8, 0.0, suffix_tokens=4).cache_slack == 5 * 4 + 1   # tree rows win
+
+
+def test_accepted_suffix_counts_suffix_only_nodes():
+    from eagle3.speculative.decoder import suffix_only
+    from eagle3.speculative.merge import BOTH, DRAFT, SUFFIX
+    from eagle3.speculative.tree import build_tree
+    tree = build_tree(torch.tensor([0, 1, 2, 3, 4]), torch.tensor([-1, 0, 1, 2, 0]), 3, 3,
+                      [0, BOTH, SUFFIX, SUFFIX, DRAFT])
+    assert suffix_only(tree, [0, 1, 2, 3]) == 2 and suffix_only(tree, [0, 4]) == 0
+    assert suffix_only(tree._replace(sources=None), [0, 1, 2, 3]) == 0
