@@ -14,6 +14,8 @@ from ..errors import InputError, LoadError
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
               "humanities")
+COPY_CATEGORIES = ("code_edit", "code_explain", "summarise", "rewrite", "extract")
+COPY_WORKLOAD_FILE = Path(__file__).with_name("copy_workload.jsonl")
 WARMUP_TEXT = "Write two sentences about the sea."
 
 
