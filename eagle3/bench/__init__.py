@@ -1,13 +1,13 @@
 """`eagle3 bench`: this project against HF transformers and llama.cpp, in one interleaved run.
 
 Workload: MT-bench first turns (or --workload copy: prompts whose answers quote their input), chat
-template, 256 new tokens, temperature 0 and 1, a fixed seed per
-prompt, warm-up excluded. Prints one table (tokens/s, per-prompt speedups with their spread, tau,
+template, 256 new tokens, temperature 0 and 1, a fixed seed per prompt, warm-up excluded. Prints one table (tokens/s, per-prompt speedups with their spread, tau,
 time split, peak memory), acceptance per draft position, the greedy identity check and the
 decode-forward-vs-memory-bound ratio; writes bench.json and PNG plots to --out.
 
     eagle3 bench                       # the full run (80 prompts x 2 temperatures x every system)
     eagle3 bench --quick               # 3 prompts, 32 tokens
+    eagle3 bench --workload copy       # the 40 copy-heavy prompts (suffix-match territory)
     eagle3 bench --tune                # measure tree shapes on this machine, print the best
 """
 from __future__ import annotations

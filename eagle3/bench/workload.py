@@ -31,7 +31,7 @@ class Question:
     question_id: int
     category: str
     text: str                 # the first turn
-    source_id: str = ""       # the ShareGPT conversation id (copy workload)
+    source_id: str = ""       # the ShareGPT record id, "<conversation>_<part>" (copy workload)
 
 
 @dataclass(frozen=True)
