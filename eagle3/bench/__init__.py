@@ -1,9 +1,10 @@
 """`eagle3 bench`: this project against HF transformers and llama.cpp, in one interleaved run.
 
 Workload: MT-bench first turns (or --workload copy: prompts whose answers quote their input), chat
-template, 256 new tokens, temperature 0 and 1, a fixed seed per prompt, warm-up excluded. Prints one table (tokens/s, per-prompt speedups with their spread, tau,
-time split, peak memory), acceptance per draft position, the greedy identity check and the
-decode-forward-vs-memory-bound ratio; writes bench.json and PNG plots to --out.
+template, 256 new tokens, temperature 0 and 1, a fixed seed per prompt, warm-up excluded. Prints one
+table (tokens/s, per-prompt speedups with their spread, tau, time split, peak memory), acceptance per
+draft position, the greedy identity check and the decode-forward-vs-memory-bound ratio; writes
+bench.json and PNG plots to --out.
 
     eagle3 bench                       # the full run (80 prompts x 2 temperatures x every system)
     eagle3 bench --quick               # 3 prompts, 32 tokens
