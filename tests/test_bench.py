@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.bench import config_from, parse_args
+from eagle3.bench import config_from, parse_args, workload_text
 from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
 from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
                                  tree_vs_chain_text)
@@ -20,7 +20,8 @@ from eagle3.bench.stats import (Record, Spread, acceptance_per_position, first_d
                                 greedy_identity, ratios)
 from eagle3.bench.systems import GenParams, HFSystem, build_ours, cut_at_stop
 from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
-from eagle3.bench.workload import BenchPrompt, Question, load_questions, select_questions
+from eagle3.bench.workload import (COPY_CATEGORIES, BenchPrompt, Question, load_questions,
+                                   load_workload, select_questions, workload_questions)
 from eagle3.errors import InputError
 from eagle3.runtime.target import build_target
 from eagle3.generate import Engine
@@ -45,6 +46,60 @@ def test_selection_round_robins_over_categories():
     assert [q.category for q in picked] == ["writing", "math", "coding", "math"]
     assert len(select_questions(qs, 100)) == len(qs)
     assert len({q.question_id for q in select_questions(qs, 100)}) == len(qs)
+
+
+COPY_PER_CATEGORY = 8          # docs/bench.md: 40 prompts, 8 in each of the 5 categories
+RUNS = Path(__file__).resolve().parent.parent / "runs"
+
+
+def test_copy_workload_file_has_8_prompts_in_each_of_5_categories():
+    qs = load_workload("copy")
+    assert len(COPY_CATEGORIES) == 5
+    assert [q.category for q in qs] == [c for c in COPY_CATEGORIES for _ in range(COPY_PER_CATEGORY)]
+    assert len({q.source_id for q in qs}) == len({q.text for q in qs}) == len(qs)
+    assert all(len(q.text) > 400 and q.source_id for q in qs)
+
+
+def test_copy_workload_holds_no_training_prompt():
+    from eagle3.train.data import PromptFilter, clean, junk_reason
+    if not (RUNS / "data" / "conversations.jsonl").is_file():
+        pytest.skip(f"{RUNS}/data/conversations.jsonl is absent: the training ids are not here")
+    qs = load_workload("copy")
+    trained = {json.loads(line)["id"] for line in
+               (RUNS / "data" / "conversations.jsonl").read_text().splitlines() if line.strip()}
+    assert not trained & {q.source_id for q in qs}
+    # the later runs (data_sharegpt*) commit counts, not ids: every copy prompt is one the training
+    # filter rejects, so select_prompts, which drew all of them, cannot have picked it
+    assert all(junk_reason(clean(q.text), PromptFilter()) in ("too_long", "non_text") for q in qs)
+
+
+def test_copy_workload_holds_no_prompt_of_the_recomputed_training_selection():
+    from eagle3.train.data import select_prompts
+    try:
+        from eagle3.runtime.assets import mtbench_questions, sharegpt_json
+        sharegpt, mtbench = sharegpt_json(), mtbench_questions()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"the ShareGPT / MT-bench packages are not installed: {e}")
+    committed = [json.loads(p.read_text()) for p in RUNS.glob("data*/prompt_selection.json")]
+    if not committed:
+        pytest.skip(f"no {RUNS}/data*/prompt_selection.json")
+    prompts, stats = select_prompts(sharegpt, mtbench)
+    assert dict(stats) == max(committed, key=lambda s: s["records"])   # the selection the runs drew
+    assert not {p.id for p in prompts} & {q.source_id for q in load_workload("copy")}
+
+
+def test_workload_option_selects_the_copy_file_round_robin():
+    assert config_from(parse_args([])).workload == "mtbench"
+    cfg = config_from(parse_args(["--workload", "copy", "--prompts", "7"]))
+    assert cfg.workload == "copy"
+    picked = workload_questions(cfg.workload, cfg.prompts)
+    assert [q.category for q in picked] == list(COPY_CATEGORIES) + list(COPY_CATEGORIES[:2])
+    assert len(workload_questions("copy", 1000)) == len(COPY_CATEGORIES) * COPY_PER_CATEGORY
+    assert "copy" in workload_text(cfg, 7) and "MT-bench" in workload_text(config_from(parse_args([])), 7)
+    with pytest.raises(SystemExit):
+        parse_args(["--workload", "nope"])
+    with pytest.raises(InputError, match="workload"):
+        BenchConfig(workload="nope")
 
 
 # ---------------------------------------------------------------------------- statistics

@@ -1,12 +1,14 @@
 """`eagle3 bench`: this project against HF transformers and llama.cpp, in one interleaved run.
 
-Workload: MT-bench first turns (chat template), 256 new tokens, temperature 0 and 1, a fixed seed per
-prompt, warm-up excluded. Prints one table (tokens/s, per-prompt speedups with their spread, tau,
-time split, peak memory), acceptance per draft position, the greedy identity check and the
-decode-forward-vs-memory-bound ratio; writes bench.json and PNG plots to --out.
+Workload: MT-bench first turns (or --workload copy: prompts whose answers quote their input), chat
+template, 256 new tokens, temperature 0 and 1, a fixed seed per prompt, warm-up excluded. Prints one
+table (tokens/s, per-prompt speedups with their spread, tau, time split, peak memory), acceptance per
+draft position, the greedy identity check and the decode-forward-vs-memory-bound ratio; writes
+bench.json and PNG plots to --out.
 
     eagle3 bench                       # the full run (80 prompts x 2 temperatures x every system)
     eagle3 bench --quick               # 3 prompts, 32 tokens
+    eagle3 bench --workload copy       # the 40 copy-heavy prompts (suffix-match territory)
     eagle3 bench --tune                # measure tree shapes on this machine, print the best
 """
 from __future__ import annotations
@@ -29,10 +31,11 @@ from .roofline import Roofline
 from .stats import Record
 from .systems import GenParams, RunResult, System
 from .tune import parse_shape
-from .workload import BenchPrompt, load_questions, make_prompts, select_questions
+from .workload import (DESCRIPTIONS, WORKLOADS, BenchPrompt, load_questions, load_workload,
+                       make_prompts, select_questions)
 
 __all__ = ["bench_main", "BenchConfig", "build", "run", "Record", "GenParams", "RunResult", "System",
-           "BenchPrompt", "load_questions", "make_prompts", "select_questions"]
+           "BenchPrompt", "load_questions", "load_workload", "make_prompts", "select_questions"]
 
 QUICK = dict(prompts=3, max_new_tokens=32)
 TUNE = dict(prompts=4, max_new_tokens=64)
@@ -42,7 +45,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="eagle3 bench", description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="target (default: packaged SmolLM2 GGUF)")
     p.add_argument("--draft", default="default", help="draft dir; 'default' = the shipped draft")
-    p.add_argument("--prompts", type=int, default=None, help="MT-bench prompts (default 80)")
+    p.add_argument("--workload", choices=list(WORKLOADS), default="mtbench",
+                   help="mtbench: MT-bench first turns (80); copy: ShareGPT prompts whose answers "
+                        "quote their input (40; see docs/bench.md)")
+    p.add_argument("--prompts", type=int, default=None, help="prompts, round-robin over the "
+                   "workload's categories (default 80: all of either workload)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")
     p.add_argument("--temperatures", default=None, help="comma-separated (default 0,1; --tune: 0, "
                    "or the first one given)")
@@ -90,7 +97,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        chain_depth=args.chain_depth, tree=parse_shape(args.tree) if args.tree else SpecParams(),
                        prompt_lookup=args.prompt_lookup, systems=systems,
                        ignore_eos=args.ignore_eos, max_model_len=args.max_model_len,
-                       clock=args.clock, weights=args.weights, draft_weights=args.draft_weights)
+                       clock=args.clock, weights=args.weights, draft_weights=args.draft_weights,
+                       workload=args.workload)
 
 
 def log(msg: str) -> None:
@@ -118,6 +126,7 @@ def bench_main(argv: list[str]) -> int:
     rows = summarize(records, setup.depths, peak_dict)
     ids = identities(records)
     roof = None if args.no_roofline else measure_roofline(setup, cfg)
+    print(f"workload: {workload_text(cfg, len(setup.prompts))}")
     print_report(setup.skipped, rows, records, ids, failed, roof)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -143,6 +152,7 @@ def replay(path: Path, out: Path, plots: bool = True) -> int:
     depths = {r["system"]: len(r["acceptance"]) for r in doc["summary"] if r.get("acceptance")}
     rows = summarize(records, depths, doc.get("peaks_bytes", {}))
     print(f"# {doc['meta']['command']}  ({doc['meta']['date']}, {doc['meta']['machine']['cpu']})")
+    print(f"workload: {doc['meta'].get('workload', 'not recorded')}")
     skipped = [tuple(x) for x in doc.get("skipped", [])]
     print_report(skipped, rows, records, [Identity(**i) for i in doc["identity"]],
                  doc.get("failed", {}), None)
@@ -159,8 +169,12 @@ def run_meta(argv: list[str], cfg: BenchConfig, setup, elapsed_s: float, load_be
             "elapsed_s": elapsed_s, "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": machine_info(setup.systems[0].device),
             "load_avg_1min": {"before": load_before, "after": os.getloadavg()[0]},
-            "workload": f"MT-bench first turns, {len(setup.prompts)} prompts, chat template, "
-                        f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}"}
+            "workload": workload_text(cfg, len(setup.prompts))}
+
+
+def workload_text(cfg: BenchConfig, num_prompts: int) -> str:
+    return (f"{DESCRIPTIONS[cfg.workload]}, {num_prompts} prompts, chat template, "
+            f"{cfg.max_new_tokens} new tokens, temperatures {list(cfg.temperatures)}")
 
 
 def busy_warning(threads: int) -> float:

