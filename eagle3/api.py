@@ -71,10 +71,21 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
     return target, draft
 
 
+def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
+    """The adaptive step's policy factory for this target/draft pair: the machine's cost table
+    (runtime.costs, measured once and cached) and the shapes to choose among (policy.DEFAULT_SHAPES)."""
+    from .runtime.costs import machine_costs
+    from .speculative.policy import DEFAULT_SHAPES, AdaptivePolicy
+    costs = machine_costs(target, draft, remeasure=remeasure)
+    shapes = tuple(shapes or DEFAULT_SHAPES)
+    return lambda: AdaptivePolicy(shapes, costs)
+
+
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
                 device: Optional[str] = None, dtype: torch.dtype = torch.float32,
                 max_model_len: int = 2048, algorithm: Optional[str] = None,
-                pack: bool = True, weights: str = "fp32", draft_weights: str = "auto") -> Engine:
+                pack: bool = True, weights: str = "fp32", draft_weights: str = "auto",
+                adaptive: bool = True) -> Engine:
     """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
     the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
@@ -87,7 +98,10 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     bf16 plain decoding; without that an 8-row verify and single-token decode were up to 0.31
     apart and greedy outputs diverged). draft_weights: the draft's GEMM weights on CPU, "auto" (bf16 where
     oneDNN has bf16 kernels, else fp32), "bf16" or "fp32". The draft only proposes tokens, so its
-    precision changes acceptance, never the output: speculation stays lossless either way."""
+    precision changes acceptance, never the output: speculation stays lossless either way.
+    spec / adaptive: a SpecParams fixes the tree shape of every step; with spec None and adaptive
+    (the default) each step takes the shape the adaptive policy picks from the machine's measured
+    costs and the rolling acceptance (speculative.policy), plain decoding included."""
     dev = pick_device(device)
     target, tokenizer = load_target(model, dev, dtype)
     draft_path = default_draft_path(model) if draft == "default" else (
@@ -104,4 +118,8 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
         target, drafter = build_layouts(target, drafter, weights, draft_weights)
     elif weights != "fp32":
         raise InputError(f"weights={weights!r} needs the inference layout (pack=True)")
-    return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len)
+    policy = None
+    if drafter is not None and spec is None and adaptive:
+        policy = adaptive_policy(target, drafter)
+    return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len,
+                  policy=policy)

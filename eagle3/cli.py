@@ -41,6 +41,9 @@ def generate_cmd(args: argparse.Namespace) -> int:
     print(f"[{mode}] {len(result.token_ids)} tokens in {result.wall_s:.2f} s = "
           f"{result.tokens_per_s:.1f} tok/s, tau {result.tau:.2f}, finish {result.finish_reason}",
           file=sys.stderr)
+    if result.arms:
+        print("[adaptive] steps per choice: " + ", ".join(f"{k} {v}" for k, v in
+                                                          sorted(result.arms.items())), file=sys.stderr)
     if engine.monitor is not None and engine.monitor.degraded:
         print("WARNING: acceptance is at 1.0 (nothing accepted); run `eagle3 doctor`", file=sys.stderr)
     return 0

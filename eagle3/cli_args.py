@@ -17,6 +17,14 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-prob", type=float, default=None,
                    help="tree: verify only draft tokens whose path probability under the draft is >= "
                         "this (dynamic tree size; default 0.05; 0 = always --num-draft-tokens)")
+    p.add_argument("--suffix-tokens", type=int, default=None,
+                   help="tree: up to this many extra nodes copied from suffix matches over the prompt "
+                        "and output (0 = none)")
+    p.add_argument("--policy", choices=["adaptive", "fixed"], default=None,
+                   help="adaptive (default): each step picks a tree shape or plain decoding from this "
+                        "machine's measured costs and the rolling acceptance; fixed: every step drafts "
+                        "one shape (the default 4/5/8, or the one the tree flags give; any tree flag "
+                        "implies fixed)")
     add_precision_args(p)
 
 
@@ -31,9 +39,23 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                         "only proposes, so the output is the same either way")
 
 
+SHAPE_FLAGS = ("top_k", "depth", "num_draft_tokens", "min_prob", "suffix_tokens")
+
+
 def spec_from_args(args: argparse.Namespace):
+    """The fixed tree shape the flags ask for, or None for the adaptive step (load_engine's default)."""
+    from .errors import InputError
     from .speculative.tree import SpecParams
+    shaped = any(getattr(args, f, None) is not None for f in SHAPE_FLAGS)
+    policy = getattr(args, "policy", None)
+    if policy == "adaptive" and shaped:
+        raise InputError("--policy adaptive chooses the tree shape itself; drop the tree flags "
+                         f"({', '.join('--' + f.replace('_', '-') for f in SHAPE_FLAGS)}) or use "
+                         "--policy fixed")
+    if not shaped and policy != "fixed":
+        return None
     base = SpecParams()
     return SpecParams(top_k=args.top_k or base.top_k, depth=args.depth or base.depth,
                       num_draft_tokens=args.num_draft_tokens or base.num_draft_tokens,
-                      min_prob=base.min_prob if args.min_prob is None else args.min_prob)
+                      min_prob=base.min_prob if args.min_prob is None else args.min_prob,
+                      suffix_tokens=args.suffix_tokens or 0)

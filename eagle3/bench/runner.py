@@ -8,17 +8,18 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
 from ..errors import InputError
+from ..speculative.policy import DEFAULT_SHAPES, name_of
 from ..speculative.tree import SpecParams
 from .memory import PeakMemory, rss_bytes
 from .stats import Record
-from .systems import GenParams, System, build_hf, build_ours
+from .systems import ADAPTIVE, GenParams, System, build_hf, build_ours
 from .workload import WORKLOADS, BenchPrompt, make_prompts, warmup_prompt, workload_questions
 
 WARMUP_TOKENS = 16
@@ -85,8 +86,12 @@ def resolve_draft(cfg: BenchConfig) -> tuple[Optional[str], Optional[str]]:
 def spec_shapes(cfg: BenchConfig) -> dict[str, SpecParams]:
     chain = SpecParams.chain(cfg.chain_depth)
     t = cfg.tree
-    return {f"ours-chain{cfg.chain_depth}": chain,
-            f"ours-tree{t.top_k}x{t.depth}n{t.num_draft_tokens}" + (f"p{t.min_prob:g}" if t.min_prob else ""): t}
+    hybrid = replace(t, suffix_tokens=t.suffix_tokens or HYBRID_SUFFIX_TOKENS)
+    return {f"ours-chain{cfg.chain_depth}": chain, "ours-" + name_of(t): t,
+            "ours-hybrid-" + name_of(hybrid): hybrid}
+
+
+HYBRID_SUFFIX_TOKENS = 8    # ours-hybrid: the tree shape plus up to this many suffix nodes
 
 
 def wanted(cfg: BenchConfig, name: str) -> bool:
@@ -143,8 +148,9 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     weight_bytes = read_bytes_per_forward(target)                # as laid out (fp32 or bf16)
     add_peers(cfg, b, src, device)
     systems = sorted((s for s in b.systems if wanted(cfg, s.name)), key=lambda s: ORDER.index(
-        "ours-spec" if s.name.startswith(("ours-chain", "ours-tree")) else s.name))
+        "ours-spec" if s.name.startswith("ours-") and s.name != "ours-plain" else s.name))
     depths = {name: spec.depth for name, spec in shapes.items()}
+    depths[ADAPTIVE] = max(s.depth for s in DEFAULT_SHAPES)
     depths.update({s.name: cfg.chain_depth for s in systems if s.name == "llama.cpp-eagle3"})
     return Setup(systems, b.skipped, prompts, warm, stop_ids_of(engine), depths, target,
                  weight_bytes, b.load_rss_mb)
@@ -178,7 +184,11 @@ def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]):
     before = rss_bytes()
     target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights)
     shapes = spec_shapes(cfg) if engine.speculative else {}
-    b.systems += build_ours(target, draft, engine.tokenizer, engine.max_model_len, shapes)
+    policy = None
+    if draft is not None and wanted(cfg, ADAPTIVE):
+        from ..api import adaptive_policy
+        policy = adaptive_policy(target, draft)                  # cost table: measured once, cached
+    b.systems += build_ours(target, draft, engine.tokenizer, engine.max_model_len, shapes, policy)
     b.load_rss_mb["ours"] += (rss_bytes() - before) / 2**20
     b.skipped += [(n, no_draft) for n in spec_shapes(cfg) if not engine.speculative]
     return shapes, target

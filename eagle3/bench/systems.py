@@ -15,6 +15,7 @@ skipped holds (name, reason) pairs that the report prints.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Protocol
 
@@ -114,19 +115,28 @@ class OursSystem:
         return RunResult(list(res.token_ids), res.wall_s, tau=res.tau,
                          accept_lens=[s.accepted for s in res.decode_steps],
                          draft_s=draft_s, verify_s=verify_s,
-                         extra={"proposed": sum(s.proposed for s in res.decode_steps)})
+                         extra={"proposed": sum(s.proposed for s in res.decode_steps),
+                                "accepted_suffix": sum(s.accepted_suffix for s in res.decode_steps),
+                                "arms": dict(Counter(s.arm for s in res.decode_steps if s.arm))})
 
 
-def build_ours(target, draft, tokenizer, max_model_len: int,
-               shapes: dict[str, object]) -> list[OursSystem]:
-    """ours-plain on `target` (an inference layout), and one speculative system per named
-    SpecParams, each on its own Engine (and caches)."""
+def build_ours(target, draft, tokenizer, max_model_len: int, shapes: dict[str, object],
+               policy=None) -> list[OursSystem]:
+    """ours-plain on `target` (an inference layout), one speculative system per named SpecParams,
+    and ours-adaptive when a policy factory is given (api.adaptive_policy), each on its own Engine
+    (and caches)."""
     plain = Engine(target, tokenizer, max_model_len=max_model_len)
     systems = [OursSystem("ours-plain", plain, speculative=False)]
     for name, spec in shapes.items():
         shaped = Engine(target, tokenizer, draft=draft, spec=spec, max_model_len=max_model_len)
         systems.append(OursSystem(name, shaped, speculative=True))
+    if policy is not None:
+        adaptive = Engine(target, tokenizer, draft=draft, max_model_len=max_model_len, policy=policy)
+        systems.append(OursSystem(ADAPTIVE, adaptive, speculative=True))
     return systems
+
+
+ADAPTIVE = "ours-adaptive"
 
 
 # ---------------------------------------------------------------------------- HF transformers

@@ -8,7 +8,7 @@ from eagle3.speculative when a draft is attached.
 from __future__ import annotations
 
 import time
-from typing import Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 from ..errors import InputError
 from .plain import PlainDecoder
@@ -17,15 +17,24 @@ from .text import TextStream, encode_prompt
 from ..speculative.step import Step
 from .types import Chunk, Decoder, GenerationResult
 
+if TYPE_CHECKING:
+    from ..speculative.policy import AdaptivePolicy
+
 
 class Engine:
-    def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048):
+    def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048,
+                 policy: Optional[Callable[[], "AdaptivePolicy"]] = None):
+        """policy: makes the adaptive step's policy (speculative.policy), one for greedy and one for
+        sampled requests, each kept across requests; None = every step drafts `spec`."""
         if draft is not None and spec is None:
             from ..speculative.tree import SpecParams
             spec = SpecParams()
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.max_model_len = max_model_len
-        slack = spec.cache_slack if spec is not None else 1   # verify block / draft tree rows
+        self.policy_factory = policy if draft is not None else None
+        self.policies: dict[bool, "AdaptivePolicy"] = {}        # params.greedy -> its policy
+        shapes = [spec] + list(policy().shapes if self.policy_factory else []) if spec else []
+        slack = max((s.cache_slack for s in shapes), default=1)  # verify block / draft tree rows
         self.cache = target.new_cache(max_model_len + slack)
         self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None
         self.eos_ids = set(getattr(target.config, "eos_token_ids", ()) or ())
@@ -75,7 +84,15 @@ class Engine:
         if not (self.speculative and speculative):
             return PlainDecoder(self.target, self.cache, params)
         from ..speculative.decoder import SpecDecoder
-        return SpecDecoder(self.target, self.draft, self.cache, self.draft_cache, params, self.spec)
+        return SpecDecoder(self.target, self.draft, self.cache, self.draft_cache, params, self.spec,
+                           policy=self.policy_for(params))
+
+    def policy_for(self, params: SamplingParams) -> Optional["AdaptivePolicy"]:
+        if self.policy_factory is None:
+            return None
+        if params.greedy not in self.policies:
+            self.policies[params.greedy] = self.policy_factory()
+        return self.policies[params.greedy]
 
     # ------------------------------------------------------------------ the loop
     def run(self, decoder: Decoder, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:

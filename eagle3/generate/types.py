@@ -37,6 +37,15 @@ class GenerationResult:
         return acceptance_stats([s.accepted for s in self.decode_steps]).tau
 
     @property
+    def arms(self) -> dict[str, int]:
+        """Decode steps per adaptive choice (tree shape name or "plain"); empty without a policy."""
+        counts: dict[str, int] = {}
+        for s in self.decode_steps:
+            if s.arm:
+                counts[s.arm] = counts.get(s.arm, 0) + 1
+        return counts
+
+    @property
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.wall_s if self.wall_s > 0 else 0.0
 

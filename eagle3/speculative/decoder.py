@@ -9,6 +9,11 @@ per step). Suffix nodes are ordinary tree nodes to the verify forward, so they g
 there and the draft extends over them like over draft nodes; a suffix chain can reach below
 spec.depth (the verify block is at most spec.max_tree_size rows, inside spec.cache_slack).
 
+With a policy (policy.AdaptivePolicy) each step takes the shape the policy chooses, or a plain
+step: one target forward of the root, the token drawn as plain decoding draws it. A plain step
+runs no draft forward: its (feature, next id) row waits in `pending` and the draft catches up over
+all waiting rows in one forward before the next drafted tree (draft length = target length again).
+
 Cache bookkeeping (n = target cache length at the start of a step):
 
     target cache   tokens 0..n-1; the root (last emitted token, position n) is not cached yet
@@ -36,6 +41,7 @@ from ..models.layers import tree_block_mask
 from ..models.kv_cache import KVCache
 from ..draft.model import DraftBase
 from .merge import SUFFIX, merge_suffix
+from .policy import PLAIN, AdaptivePolicy, name_of
 from .suffix import SuffixCache, SuffixIndex
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
@@ -53,13 +59,16 @@ class SpecDecoder:
 
     def __init__(self, target, draft: DraftBase, cache: KVCache, draft_cache: KVCache,
                  params: SamplingParams, spec: Optional[SpecParams] = None,
-                 suffix_cache: Optional[SuffixCache] = None):
+                 suffix_cache: Optional[SuffixCache] = None,
+                 policy: Optional[AdaptivePolicy] = None):
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
-        self.params, self.spec = params, spec or SpecParams()
+        self.params, self.spec, self.policy = params, spec or SpecParams(), policy
         cfg = draft.config
-        if self.spec.top_k > cfg.draft_vocab_size:
-            raise InputError(f"spec top_k={self.spec.top_k} exceeds the draft vocabulary "
-                             f"({cfg.draft_vocab_size}); lower top_k")
+        self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
+        for shape in self.shapes:
+            if shape.top_k > cfg.draft_vocab_size:
+                raise InputError(f"spec top_k={shape.top_k} exceeds the draft vocabulary "
+                                 f"({cfg.draft_vocab_size}); lower top_k")
         if cfg.vocab_size != target.config.vocab_size:
             raise ContractError("draft vocab_size", cfg.vocab_size, target.config.vocab_size,
                                 "this draft was trained for a target with another vocabulary; "
@@ -67,7 +76,9 @@ class SpecDecoder:
         self.capture_ids = tuple(cfg.aux_layer_ids) if cfg.algorithm == "eagle3" else ()
         self.device = target.device
         self.gen = params.generator(self.device)
-        self.eye = torch.eye(self.spec.top_k, dtype=torch.bool, device=self.device)
+        self.eyes = {s.top_k: torch.eye(s.top_k, dtype=torch.bool, device=self.device) for s in self.shapes}
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # plain steps' (next id, feature)
+        self.levels = 0                                              # draft forwards this step
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.head: Optional[DraftHead] = None
         self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
@@ -77,9 +88,11 @@ class SpecDecoder:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
+        slack = max(s.cache_slack for s in self.shapes)
+        self.pending = []
         for cache in (self.cache, self.draft_cache):
             cache.reset()
-            cache.check_room(n + max_new_tokens + self.spec.cache_slack - 1)
+            cache.check_room(n + max_new_tokens + slack - 1)
         t0 = time.perf_counter()
         ids = torch.tensor(prompt_ids, device=self.device)
         out = self.target(ids[None], torch.arange(n, device=self.device), self.cache,
@@ -88,14 +101,42 @@ class SpecDecoder:
         t1 = time.perf_counter()
         self._extend(torch.cat([ids[1:], self.root]), self._features(out)[0], start=0)
         root = int(self.root)
-        if self.spec.suffix_tokens:
+        if any(s.suffix_tokens for s in self.shapes):
             self.suffix = SuffixIndex(cache=self.suffix_cache)
             self.suffix.extend(list(prompt_ids) + [root])
         return Step([root], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
 
     @torch.inference_mode()
     def step(self) -> Step:
+        if self.policy is None:
+            return self.tree_step()
+        arm = self.policy.choose()
         t0 = time.perf_counter()
+        self.levels = 0
+        if arm == PLAIN:
+            step = self.plain_step()
+        else:
+            self.spec = arm
+            step = self.tree_step()
+        self.policy.observe(arm, step, self.levels, 1e3 * (time.perf_counter() - t0))
+        return step._replace(arm=name_of(arm))
+
+    def plain_step(self) -> Step:
+        """One target forward of the root; the token drawn as plain decoding draws it."""
+        t0 = time.perf_counter()
+        start = self.cache.length
+        positions = torch.tensor([start], device=self.device)
+        out = self.target(self.root[None], positions, self.cache, capture_ids=self.capture_ids)
+        self.root = sample_next(out.logits[0, -1], self.params, self.gen).view(1)
+        self.pending.append((self.root, self._features(out)[0]))
+        token = int(self.root)
+        if self.suffix is not None:
+            self.suffix.extend([token])
+        return Step([token], 0, verify_s=time.perf_counter() - t0)
+
+    def tree_step(self) -> Step:
+        t0 = time.perf_counter()
+        self._catch_up()
         tree = self.draft_tree()
         t1 = self._clock()
         start = self.cache.length
@@ -128,13 +169,22 @@ class SpecDecoder:
             return verify_greedy(logits, tree)
         return verify_sampled(logits, tree, self.params, self.gen)
 
+    def _catch_up(self) -> None:
+        """The draft over the rows plain steps left waiting (one forward), so it proposes again."""
+        if self.pending:
+            ids = torch.cat([i for i, _ in self.pending])
+            feats = torch.cat([f for _, f in self.pending])
+            self.pending = []
+            self._extend(ids, feats, self.draft_cache.length)
+
     def draft_tree(self) -> Tree:
         """EAGLE-2 dynamic tree over the draft cache; the draft cache is left at its prefix."""
         spec, n = self.spec, self.draft_cache.length
+        eye = self.eyes[spec.top_k]
         frontier, level = expand(root_frontier(self.device), self.head.logits[None], spec.top_k, 0)
         levels: list[Level] = [level]
         hidden = self.head.hidden.expand(spec.top_k, -1)               # [K, H]
-        ancestors = self.eye[:, :0]                                    # [K, rows so far]
+        ancestors = eye[:, :0]                                         # [K, rows so far]
         for depth in range(1, spec.depth):
             if self._settled(levels, frontier):
                 break
@@ -143,7 +193,7 @@ class SpecDecoder:
             frontier, level = expand(frontier, out.logits[0], spec.top_k, offset)
             levels.append(level)
             hidden = out.hidden[0, frontier.rows]
-            ancestors = torch.cat([ancestors, self.eye], dim=1)[frontier.rows]
+            ancestors = torch.cat([ancestors, eye], dim=1)[frontier.rows]
         self.draft_cache.truncate(n)
         return self._layout(concat_levels(levels), n)
 
@@ -171,7 +221,8 @@ class SpecDecoder:
         # frontier of K nodes -> one draft forward over them, tree-masked
         k, n = self.spec.top_k, self.draft_cache.length - ancestors.shape[1]
         prefix = torch.ones(k, n, dtype=torch.bool, device=self.device)
-        mask = torch.cat([prefix, ancestors, self.eye], dim=1)[None, None]
+        mask = torch.cat([prefix, ancestors, self.eyes[k]], dim=1)[None, None]
+        self.levels += 1
         ids = self.draft.to_target_ids(frontier.tokens)
         positions = torch.full((k,), position, dtype=torch.long, device=self.device)
         return self.draft(ids[None], positions, self.draft_cache, hidden=hidden[None], attn_mask=mask)
@@ -179,7 +230,7 @@ class SpecDecoder:
     def _layout(self, cands: Level, prefix_len: int) -> Tree:
         sel = select_nodes(cands, self.spec.num_draft_tokens, self.spec.min_score)
         tokens = torch.cat([self.root, self.draft.to_target_ids(cands.tokens[sel.cand_idx])])
-        if self.suffix is None:
+        if self.suffix is None or not self.spec.suffix_tokens:
             return build_tree(tokens, sel.parents, prefix_len, self.spec.depth)
         return self._with_suffix(tokens, sel.parents, prefix_len)
 
@@ -200,6 +251,7 @@ class SpecDecoder:
     def _extend(self, next_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
         """Draft rows start.. pairing features [m, F] of tokens start.. with next_ids [m]."""
         self.draft_cache.truncate(start)
+        self.levels += 1
         m = next_ids.numel()
         positions = torch.arange(start, start + m, device=self.device)
         out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],

@@ -33,6 +33,11 @@ from .tree import SpecParams
 PLAIN = "plain"
 Arm = Union[str, SpecParams]
 
+# the adaptive step's default choices (with PLAIN): the default tree, the same with up to 8 suffix
+# nodes, and a small tree with suffix nodes for stretches where deep drafts are rejected
+DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8, 0.05),
+                  SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
+
 
 @dataclass
 class ArmStats:
@@ -118,7 +123,7 @@ def _name(arm: Arm) -> str:
         return PLAIN
     s: SpecParams = arm
     base = f"chain{s.depth}" if s.is_chain else f"tree{s.top_k}x{s.depth}n{s.num_draft_tokens}"
-    return base + (f"p{s.min_prob:g}" if s.min_prob else "")
+    return base + (f"p{s.min_prob:g}" if s.min_prob else "") + (f"s{s.suffix_tokens}" if s.suffix_tokens else "")
 
 
 name_of = _name

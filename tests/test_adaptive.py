@@ -1,0 +1,128 @@
+"""The adaptive step in the decoder: every choice (tree shapes, suffix nodes, plain steps with the
+draft catching up later) keeps greedy output identical to plain decoding, the caches equal one
+pass over the sequence, and sampled output keeps the target's distribution."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from eagle3.generate import Engine, SamplingParams
+from eagle3.runtime.costs import CostTable
+from eagle3.speculative.decoder import SpecDecoder
+from eagle3.speculative.policy import PLAIN, AdaptivePolicy, name_of
+from eagle3.speculative.tree import SpecParams
+from spec_helpers import (StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
+                          plain_greedy, tiny_draft, tiny_target)
+from test_spec_engine import exact_joint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPT = [1, 2, 3, 4, 5, 1, 2, 3]
+MAX_NEW = 40
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, ignore_eos=True)
+SHAPES = (SpecParams(2, 3, 6, 0.0, suffix_tokens=4), SpecParams(3, 4, 10, 0.0), SpecParams.chain(2))
+CHEAP_PLAIN = CostTable((1, 2, 4, 8, 16), (1.0, 50.0, 60.0, 80.0, 100.0), (5.0,) * 5)
+CHEAP_TREES = CostTable((1, 2, 4, 8, 16), (10.0, 10.1, 10.2, 10.4, 10.8), (0.01,) * 5)
+
+
+class Scripted:
+    """A policy that takes the arms of `script` in turn (plain steps between trees, shape changes)."""
+
+    def __init__(self, script):
+        self.script, self.shapes, self.i = script, tuple(a for a in script if a != PLAIN), 0
+
+    def choose(self):
+        self.i += 1
+        return self.script[(self.i - 1) % len(self.script)]
+
+    def observe(self, arm, step, levels, wall_ms):
+        pass
+
+
+SCRIPTS = [(PLAIN, SHAPES[0]), (SHAPES[1], PLAIN, PLAIN, SHAPES[0], SHAPES[2]),
+           (PLAIN, PLAIN, PLAIN, SHAPES[2]), (SHAPES[0], SHAPES[1])]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(3, vocab=8, std=0.5)
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    return plain_greedy(target, PROMPT, MAX_NEW)
+
+
+def decode(dec: SpecDecoder, n: int) -> tuple[list[int], list]:
+    steps = [dec.prefill(PROMPT, MAX_NEW)]
+    while sum(len(s.tokens) for s in steps) < n:
+        steps.append(dec.step())
+    return [t for s in steps for t in s.tokens], steps
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda s: "-".join(map(name_of, s)))
+def test_any_sequence_of_choices_keeps_greedy_identity_and_the_caches(target, reference, script):
+    draft = oracle_draft(target, PROMPT + reference)
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=Scripted(script))
+    emitted, steps = decode(dec, 30)
+    assert emitted == reference[:len(emitted)]
+    assert [s.arm for s in steps[1:len(script) + 1]] == [name_of(a) for a in script]
+    assert sum(s.accepted for s in steps if s.arm != PLAIN) > 0
+    assert all(s.accepted == 0 and len(s.tokens) == 1 for s in steps if s.arm == PLAIN)
+    dec._catch_up()                                   # rows a trailing plain step left waiting
+    seq = torch.tensor([PROMPT + emitted[:-1]])
+    length = seq.shape[1]
+    assert dec.cache.length == dec.draft_cache.length == length
+    full_cache, full_draft = target.new_cache(128), draft.new_cache(128)
+    out = target(seq, torch.arange(length), full_cache, capture_ids=draft.config.aux_layer_ids)
+    with torch.inference_mode():
+        draft(torch.tensor([PROMPT[1:] + emitted]), torch.arange(length), full_draft, features=out.aux)
+    for mine, want in ((dec.cache, full_cache), (dec.draft_cache, full_draft)):
+        assert torch.allclose(mine.k[..., :length, :], want.k[..., :length, :], atol=1e-4)
+        assert torch.allclose(mine.v[..., :length, :], want.v[..., :length, :], atol=1e-4)
+
+
+@pytest.mark.parametrize("oracle,costs,plain_share", [(False, CHEAP_PLAIN, (0.8, 1.0)),
+                                                       (True, CHEAP_TREES, (0.0, 0.2))],
+                         ids=["random-draft-plain-pays", "oracle-draft-trees-pay"])
+def test_the_engine_follows_its_policy_and_stays_lossless(target, reference, oracle, costs, plain_share):
+    draft = oracle_draft(target, PROMPT + reference) if oracle else tiny_draft(target)
+    engine = Engine(target, StubTokenizer(), draft=draft, max_model_len=len(PROMPT) + MAX_NEW,
+                    policy=lambda: AdaptivePolicy(SHAPES, costs, probe_every=8))
+    result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
+    assert result.token_ids == reference
+    arms = [s.arm for s in result.decode_steps]
+    share = arms.count(PLAIN) / len(arms)
+    assert plain_share[0] <= share <= plain_share[1], arms
+    assert engine.policies[True].summary()["chosen"].get(PLAIN, 0) == arms.count(PLAIN)
+
+
+def sample_two_after_first(dec: SpecDecoder, prompt: list[int], num: int):
+    t1 = dec.prefill(prompt, 8).tokens[0]
+    saved = (dec.cache.length, dec.root, dec.head, copy.deepcopy(dec.suffix))
+    vocab = dec.target.config.vocab_size
+    counts = torch.zeros(vocab, vocab)
+    for _ in range(num):
+        dec.cache.truncate(saved[0])
+        dec.draft_cache.truncate(saved[0])
+        dec.root, dec.head, dec.suffix, dec.pending = saved[1], saved[2], copy.deepcopy(saved[3]), []
+        tokens = []
+        while len(tokens) < 2:
+            tokens += dec.step().tokens
+        counts[tokens[0], tokens[1]] += 1
+    return t1, counts
+
+
+@pytest.mark.parametrize("script", [(PLAIN, SHAPES[0]), (SHAPES[2], PLAIN), (PLAIN, PLAIN)],
+                         ids=["plain-then-tree", "chain-then-plain", "plain"])
+def test_sampling_across_choices_is_lossless(target, reference, script):
+    params = SamplingParams(temperature=1.0, seed=3)
+    prompt = PROMPT + reference[:7]
+    draft = tiny_draft(target, 6)
+    dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), params, SHAPES[0],
+                      policy=Scripted(script))
+    t1, counts = sample_two_after_first(dec, prompt, 600)
+    assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01
