@@ -1,21 +1,32 @@
-"""How the CPU threads wait: set for every entry point before torch (and OpenMP) loads.
+"""How the CPU threads wait, and how many run: set before torch (and OpenMP) loads, then governed.
 
-Why: at a barrier, OpenMP threads spin by default. With a core taken by another process, plain
-bf16 decoding on 2 threads fell from 86 to 24 tok/s (threads spinning for a thread that is not
-running); OMP_WAIT_POLICY=PASSIVE (waiting threads sleep) gave 58 tok/s, about a core's share.
-libgomp reads the variable once, when it loads at `import torch`, so eagle3/__init__.py calls
-configure() before anything imports torch. The kernels' extension needs libgomp.so.1 too and
-gets torch's copy (its rpath names torch/lib; the loader reuses the library already loaded), so
-torch, oneDNN and the kernels share one runtime and this one setting. A user's OMP_WAIT_POLICY
-wins; GOMP_SPINCOUNT (spins before sleeping) still tunes PASSIVE.
+Measured (plain bf16 decoding of 128 tokens, SmolLM2, 2-core EPYC, scripts/bench_contention.py,
+quiet / with one busy process on the other core, tok/s):
+
+    2 threads, OMP_WAIT_POLICY=ACTIVE            90.8 / 24.5   (spin forever)
+    2 threads, libgomp default (spin 300000)    100.3 / 17.1
+    2 threads, GOMP_SPINCOUNT=30000             113.3 /  6.8
+    2 threads, OMP_WAIT_POLICY=PASSIVE           55.0 / 64.7   (a futex wake per parallel region)
+    1 thread                                     74.3 / 72.6
+    2 threads, GOMP_SPINCOUNT=30000 + governor  103.1 / 57.0, 96.8 / 51.7   (governor off, same
+                                                 minutes: 81.3 / 9.0, 80.6 / 7.8)
+
+No wait policy serves both: a decode step is ~200 short parallel regions, so sleeping threads cost
+~40% on a quiet machine, and with a core taken every barrier waits for a thread that is not
+running. So eagle3 spins briefly (GOMP_SPINCOUNT=30000 unless the user set it or
+OMP_WAIT_POLICY) and the ThreadGovernor below drops to one thread while two run slower than one
+(a core is taken), probing two again with exponential back-off. libgomp reads its settings once,
+when it loads at `import torch`, so eagle3/__init__.py calls install() before anything imports
+torch; the kernels' extension uses torch's libgomp (one runtime, one setting).
 """
 from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import MutableMapping, NamedTuple, Optional
 
-DEFAULT_WAIT_POLICY = "PASSIVE"
+DEFAULT_SPINCOUNT = "30000"
 
 
 class ThreadSetup(NamedTuple):
@@ -28,24 +39,26 @@ _SETUP: Optional[ThreadSetup] = None     # what configure() found at import; rea
 
 def configure(environ: MutableMapping[str, str] = os.environ,
               torch_loaded: Optional[bool] = None) -> ThreadSetup:
-    """Set OMP_WAIT_POLICY=PASSIVE unless the user set it; say what is in effect."""
+    """Set GOMP_SPINCOUNT=30000 unless the user chose a wait policy or spin count; say what is in
+    effect."""
     loaded = "torch" in sys.modules if torch_loaded is None else torch_loaded
-    user = environ.get("OMP_WAIT_POLICY")
-    if user:
-        return ThreadSetup(user.upper(), "set by the user")
-    environ["OMP_WAIT_POLICY"] = DEFAULT_WAIT_POLICY      # also for child processes
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if environ.get(key):
+            return ThreadSetup(f"{key}={environ[key].upper()}", "set by the user")
+    environ["GOMP_SPINCOUNT"] = DEFAULT_SPINCOUNT      # also for child processes
     if loaded:
-        return ThreadSetup("OpenMP's default (spin, then sleep)",
+        return ThreadSetup("OpenMP's default (spin 300000, then sleep)",
                            "torch was imported before eagle3, so OpenMP had already read its settings")
-    return ThreadSetup(DEFAULT_WAIT_POLICY, "eagle3 default")
+    return ThreadSetup(f"GOMP_SPINCOUNT={DEFAULT_SPINCOUNT}", "eagle3 default: spin briefly, then sleep")
 
 
 def describe() -> str:
-    """One line for `eagle3 info`: thread count and wait policy."""
+    """One line for `eagle3 info`: thread count, wait policy, the governor."""
     import torch
-    setup = _SETUP or ThreadSetup(os.environ.get("OMP_WAIT_POLICY", "?"), "unknown")
-    return (f"{torch.get_num_threads()} (torch.get_num_threads), "
-            f"OMP_WAIT_POLICY={setup.wait_policy} ({setup.source})")
+    setup = _SETUP or ThreadSetup("unknown", "unknown")
+    governed = "on" if governor_enabled() else "off (EAGLE3_THREAD_GOVERNOR=0)"
+    return (f"{torch.get_num_threads()} (torch.get_num_threads), {setup.wait_policy} ({setup.source}); "
+            f"governor {governed}: 1 thread while a busy core makes {torch.get_num_threads()} slower")
 
 
 def install() -> None:
@@ -53,3 +66,75 @@ def install() -> None:
     global _SETUP
     if _SETUP is None:
         _SETUP = configure()
+
+
+def governor_enabled() -> bool:
+    return os.environ.get("EAGLE3_THREAD_GOVERNOR", "1") != "0"
+
+
+class ThreadGovernor:
+    """Runs decode steps on the thread count that emits more tokens per second right now.
+
+    Two counts: the process's (`high`, torch.get_num_threads() when made) and 1. For each it keeps an
+    exponential average of tokens/s over the steps it ran. It runs `high` until a step's rate falls
+    below `suspect` x the best rate seen with it (a core may have been taken), then tries 1 thread;
+    it stays on whichever count is faster and probes the other for one step after `probe` steps,
+    doubling `probe` (up to `max_probe`) each time the probe loses, so a lost probe costs little.
+    """
+
+    def __init__(self, high: Optional[int] = None, memory: float = 0.7, suspect: float = 0.6,
+                 probe: int = 16, max_probe: int = 256):
+        import torch
+        self.high = high or torch.get_num_threads()
+        self.memory, self.suspect = memory, suspect
+        self.first_probe, self.max_probe = probe, max_probe
+        self.rate = {self.high: 0.0, 1: 0.0}       # EMA tokens/s per count (0: not measured)
+        self.best_high = 0.0
+        self.current = self.high
+        self.chosen = self.high                    # the count we stay on between probes
+        self.probe_every, self.since_probe = probe, 0
+        self.t0 = 0.0
+
+    @property
+    def active(self) -> bool:
+        return self.high > 1
+
+    def before_step(self) -> None:
+        import torch
+        if not self.active:
+            return
+        self.since_probe += 1
+        want = self.chosen
+        if self.since_probe >= self.probe_every:
+            want, self.since_probe = self.other(self.chosen), 0
+        if want != self.current:
+            torch.set_num_threads(want)
+            self.current = want
+        self.t0 = time.perf_counter()
+
+    def after_step(self, tokens: int) -> None:
+        if not self.active:
+            return
+        rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+        n = self.current
+        old = self.rate[n]
+        self.rate[n] = rate if old == 0 else self.memory * old + (1 - self.memory) * rate
+        if n == self.high:
+            self.best_high = max(self.best_high, self.rate[n])
+            if self.rate[1] == 0 and self.rate[n] < self.suspect * self.best_high:
+                self.since_probe = self.probe_every          # suspected contention: try 1 next
+        better = max(self.rate, key=self.rate.get)
+        if n != self.chosen:                                  # this was a probe
+            self.probe_every = (self.first_probe if better == n
+                                else min(2 * self.probe_every, self.max_probe))
+        self.chosen = better
+
+    def other(self, n: int) -> int:
+        return 1 if n == self.high else self.high
+
+    def restore(self) -> None:
+        """Back to the process's thread count (after a generation)."""
+        import torch
+        if self.current != self.high:
+            torch.set_num_threads(self.high)
+            self.current = self.high

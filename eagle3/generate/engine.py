@@ -15,6 +15,7 @@ from .plain import PlainDecoder
 from ..sampling import SamplingParams
 from .text import TextStream, encode_prompt
 from ..speculative.step import Step
+from ..threads import ThreadGovernor, governor_enabled
 from .types import Chunk, Decoder, GenerationResult
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class Engine:
         self.eos_ids = set(getattr(target.config, "eos_token_ids", ()) or ())
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             self.eos_ids.add(int(tokenizer.eos_token_id))
+        self.governor = None              # threads.ThreadGovernor: 1 thread while a core is taken
+        if target.device.type == "cpu" and governor_enabled():
+            self.governor = ThreadGovernor()
         self.monitor = None
         if self.speculative:
             from ..speculative.monitor import AcceptanceMonitor
@@ -103,26 +107,39 @@ class Engine:
         steps: list[Step] = []
         t0 = time.perf_counter()
         ttft = 0.0
-        step = decoder.prefill(prompt_ids, params.max_new_tokens)
+        try:
+            for step in self._steps(decoder, prompt_ids, params.max_new_tokens):
+                steps.append(step)
+                if self.monitor is not None and len(steps) > 1:
+                    self.monitor.observe(step)
+                new, finish = self._take(step, out_ids, stop_ids, params.max_new_tokens)
+                out_ids.extend(new)
+                delta = text.push(new)
+                if text.stopped:
+                    finish = "stop"
+                ttft = ttft or time.perf_counter() - t0
+                from_draft = [i < step.accepted for i in range(len(new))]
+                if finish:
+                    delta += text.flush()
+                    result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,
+                                              time.perf_counter() - t0, ttft)
+                    yield Chunk(delta, new, from_draft, finish, result, step)
+                    return
+                yield Chunk(delta, new, from_draft, step=step)
+        finally:
+            if self.governor is not None:
+                self.governor.restore()
+
+    def _steps(self, decoder: Decoder, prompt_ids: list[int], max_new_tokens: int) -> Iterator[Step]:
+        """The prefill, then decode steps, each on the thread count the governor chooses."""
+        yield decoder.prefill(prompt_ids, max_new_tokens)
         while True:
-            steps.append(step)
-            if self.monitor is not None and len(steps) > 1:
-                self.monitor.observe(step)
-            new, finish = self._take(step, out_ids, stop_ids, params.max_new_tokens)
-            out_ids.extend(new)
-            delta = text.push(new)
-            if text.stopped:
-                finish = "stop"
-            ttft = ttft or time.perf_counter() - t0
-            from_draft = [i < step.accepted for i in range(len(new))]
-            if finish:
-                delta += text.flush()
-                result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,
-                                          time.perf_counter() - t0, ttft)
-                yield Chunk(delta, new, from_draft, finish, result, step)
-                return
-            yield Chunk(delta, new, from_draft, step=step)
+            if self.governor is not None:
+                self.governor.before_step()
             step = decoder.step()
+            if self.governor is not None:
+                self.governor.after_step(len(step.tokens))
+            yield step
 
     @staticmethod
     def _take(step: Step, out_ids: list[int], stop_ids: set[int], max_new: int):
