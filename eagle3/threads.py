@@ -73,22 +73,24 @@ def governor_enabled() -> bool:
 
 
 class ThreadGovernor:
-    """Runs decode steps on the thread count that emits more tokens per second right now.
+    """Runs decode steps on the thread count that runs more steps per second right now.
 
     Two counts: the process's (`high`, torch.get_num_threads() when made) and 1. For each it keeps an
-    exponential average of tokens/s over the steps it ran. It runs `high` until a step's rate falls
-    below `suspect` x the best rate seen with it (a core may have been taken), then tries 1 thread;
+    exponential average of steps/s over the steps it ran (steps, not tokens: the thread count changes
+    what a step costs, not what it accepts, and tokens per step swing 1-5 under speculation). It
+    runs `high` until that average falls below `suspect` x the best seen with it (a core may have
+    been taken: the slowdown measured is 5-10x), then tries 1 thread;
     it stays on whichever count is faster and probes the other for one step after `probe` steps,
     doubling `probe` (up to `max_probe`) each time the probe loses, so a lost probe costs little.
     """
 
-    def __init__(self, high: Optional[int] = None, memory: float = 0.7, suspect: float = 0.6,
+    def __init__(self, high: Optional[int] = None, memory: float = 0.8, suspect: float = 0.5,
                  probe: int = 16, max_probe: int = 256):
         import torch
         self.high = high or torch.get_num_threads()
         self.memory, self.suspect = memory, suspect
         self.first_probe, self.max_probe = probe, max_probe
-        self.rate = {self.high: 0.0, 1: 0.0}       # EMA tokens/s per count (0: not measured)
+        self.rate = {self.high: 0.0, 1: 0.0}       # EMA steps/s per count (0: not measured)
         self.best_high = 0.0
         self.current = self.high
         self.chosen = self.high                    # the count we stay on between probes
@@ -112,10 +114,10 @@ class ThreadGovernor:
             self.current = want
         self.t0 = time.perf_counter()
 
-    def after_step(self, tokens: int) -> None:
+    def after_step(self) -> None:
         if not self.active:
             return
-        rate = tokens / max(time.perf_counter() - self.t0, 1e-9)
+        rate = 1.0 / max(time.perf_counter() - self.t0, 1e-9)
         n = self.current
         old = self.rate[n]
         self.rate[n] = rate if old == 0 else self.memory * old + (1 - self.memory) * rate

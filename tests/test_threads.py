@@ -85,18 +85,19 @@ def test_bench_contention_smoke():
 
 
 class FakeMachine:
-    """A clock on which a step takes tokens / speed[threads] seconds; `busy` switches the speeds."""
+    """A clock on which a step takes 1 / speed[threads] seconds; `busy` switches the speeds."""
 
-    def __init__(self, monkeypatch):
-        self.now, self.busy = 0.0, False
+    def __init__(self, monkeypatch, costs=(1.0,)):
+        self.now, self.busy, self.costs, self.i = 0.0, False, costs, 0
         monkeypatch.setattr(threads.time, "perf_counter", lambda: self.now)
 
     def step(self, governor) -> int:
         governor.before_step()
         n = torch.get_num_threads()
         speed = {2: 20.0, 1: 70.0} if self.busy else {2: 110.0, 1: 74.0}
-        self.now += 1 / speed[n]
-        governor.after_step(1)
+        self.i += 1
+        self.now += self.costs[self.i % len(self.costs)] / speed[n]     # step kinds cost differently
+        governor.after_step()
         return n
 
 
@@ -116,5 +117,17 @@ def test_the_governor_takes_one_thread_while_a_core_is_busy_and_two_when_quiet(m
         assert again[-100:].count(2) >= 98                     # found by a probe, and kept
         gov.restore()
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_a_mix_of_step_costs_on_a_quiet_machine_keeps_two_threads(monkeypatch):
+    """Speculative steps differ (a plain step, trees of 4-16 rows): not a sign of contention."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        machine, gov = FakeMachine(monkeypatch, costs=(1.0, 1.4, 1.0, 1.9, 1.2, 1.0, 1.6)), threads.ThreadGovernor()
+        counts = [machine.step(gov) for _ in range(500)]
+        assert counts.count(1) <= 8 and counts[-100:].count(2) >= 99
     finally:
         torch.set_num_threads(before)

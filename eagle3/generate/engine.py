@@ -138,7 +138,7 @@ class Engine:
                 self.governor.before_step()
             step = decoder.step()
             if self.governor is not None:
-                self.governor.after_step(len(step.tokens))
+                self.governor.after_step()
             yield step
 
     @staticmethod
