@@ -166,3 +166,17 @@ def hf_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     for warp in warpers:
         scores = warp(None, scores)
     return torch.softmax(scores, dim=-1).view(logits.shape)
+
+
+def assert_caches_equal_one_pass(dec, target, draft, prompt: list[int], emitted: list[int]) -> None:
+    """The decoder's target and draft caches after `emitted` equal one forward over the sequence."""
+    seq = torch.tensor([prompt + emitted[:-1]])
+    length = seq.shape[1]
+    assert dec.cache.length == dec.draft_cache.length == length
+    full_cache, full_draft = target.new_cache(128), draft.new_cache(128)
+    out = target(seq, torch.arange(length), full_cache, capture_ids=draft.config.aux_layer_ids)
+    with torch.inference_mode():
+        draft(torch.tensor([prompt[1:] + emitted]), torch.arange(length), full_draft, features=out.aux)
+    for mine, want in ((dec.cache, full_cache), (dec.draft_cache, full_draft)):
+        assert torch.allclose(mine.k[..., :length, :], want.k[..., :length, :], atol=1e-4)
+        assert torch.allclose(mine.v[..., :length, :], want.v[..., :length, :], atol=1e-4)

@@ -13,7 +13,7 @@ from eagle3.runtime.costs import CostTable
 from eagle3.speculative.decoder import SpecDecoder
 from eagle3.speculative.policy import PLAIN, AdaptivePolicy, name_of
 from eagle3.speculative.tree import SpecParams
-from spec_helpers import (StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
+from spec_helpers import (assert_caches_equal_one_pass, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
                           plain_greedy, tiny_draft, tiny_target)
 from test_spec_engine import exact_joint
 
@@ -73,16 +73,7 @@ def test_any_sequence_of_choices_keeps_greedy_identity_and_the_caches(target, re
     assert sum(s.accepted for s in steps if s.arm != PLAIN) > 0
     assert all(s.accepted == 0 and len(s.tokens) == 1 for s in steps if s.arm == PLAIN)
     dec._catch_up()                                   # rows a trailing plain step left waiting
-    seq = torch.tensor([PROMPT + emitted[:-1]])
-    length = seq.shape[1]
-    assert dec.cache.length == dec.draft_cache.length == length
-    full_cache, full_draft = target.new_cache(128), draft.new_cache(128)
-    out = target(seq, torch.arange(length), full_cache, capture_ids=draft.config.aux_layer_ids)
-    with torch.inference_mode():
-        draft(torch.tensor([PROMPT[1:] + emitted]), torch.arange(length), full_draft, features=out.aux)
-    for mine, want in ((dec.cache, full_cache), (dec.draft_cache, full_draft)):
-        assert torch.allclose(mine.k[..., :length, :], want.k[..., :length, :], atol=1e-4)
-        assert torch.allclose(mine.v[..., :length, :], want.v[..., :length, :], atol=1e-4)
+    assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
 
 
 @pytest.mark.parametrize("oracle,costs,plain_share", [(False, CHEAP_PLAIN, (0.8, 1.0)),

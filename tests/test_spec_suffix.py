@@ -13,7 +13,7 @@ from eagle3.generate import SamplingParams
 from eagle3.speculative.decoder import SpecDecoder
 from eagle3.speculative.suffix import SuffixCache
 from eagle3.speculative.tree import SpecParams
-from spec_helpers import (chi_square_p, one_thread, oracle_draft, plain_greedy,  # noqa: F401
+from spec_helpers import (assert_caches_equal_one_pass, chi_square_p, one_thread, oracle_draft, plain_greedy,  # noqa: F401
                           spec_engine, tiny_draft, tiny_target)
 from test_spec_engine import exact_joint
 
@@ -91,16 +91,7 @@ def test_caches_after_suffix_steps_equal_one_pass_over_the_sequence(target, refe
         emitted += step.tokens
         suffix_accepted += step.accepted_suffix
     assert emitted == reference[:len(emitted)] and suffix_accepted > 0
-    seq = torch.tensor([PROMPT + emitted[:-1]])
-    length = seq.shape[1]
-    assert dec.cache.length == dec.draft_cache.length == length
-    full_cache, full_draft = target.new_cache(128), draft.new_cache(128)
-    out = target(seq, torch.arange(length), full_cache, capture_ids=draft.config.aux_layer_ids)
-    with torch.inference_mode():
-        draft(torch.tensor([PROMPT[1:] + emitted]), torch.arange(length), full_draft, features=out.aux)
-    for mine, want in ((dec.cache, full_cache), (dec.draft_cache, full_draft)):
-        assert torch.allclose(mine.k[..., :length, :], want.k[..., :length, :], atol=1e-4)
-        assert torch.allclose(mine.v[..., :length, :], want.v[..., :length, :], atol=1e-4)
+    assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
 
 
 # ---------------------------------------------------------------------------- lossless sampling

@@ -17,6 +17,7 @@ import torch
 from ..errors import InputError
 from ..speculative.policy import DEFAULT_SHAPES, name_of
 from ..speculative.tree import SpecParams
+from ..runtime.costs import cpu_name
 from .memory import PeakMemory, rss_bytes
 from .stats import Record
 from .systems import ADAPTIVE, GenParams, System, build_hf, build_ours
@@ -309,15 +310,6 @@ def machine_info(device: str) -> dict:
             info[mod] = None
     return info
 
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _cpus() -> int:

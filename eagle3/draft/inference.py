@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from ..models.kv_cache import KVCache
+from ..models.llama import as_block, rows_of
 from ..runtime.backend import Backend, choose_backend
 from ..runtime.layer import FastLayer, norm_of
 from ..runtime.linear import PackedLinear
@@ -60,11 +61,8 @@ class InferenceDraft:
                  attn_mask: Optional[torch.Tensor] = None,
                  logits_rows: Optional[torch.Tensor | slice] = None) -> DraftOutput:
         """As DraftBase.forward: one draft forward over a block [B, T], KV appended at cache.length."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        bsz, seq = input_ids.shape
-        if positions.dim() == 1:
-            positions = positions[None].expand(bsz, seq)
+        input_ids, positions = as_block(input_ids, positions)
+        seq = input_ids.shape[1]
         self.reference.check_inputs(features, hidden)
         h = hidden if features is None else (self.fc(features) if self.eagle3 else features)
         cache.check_room(seq)
@@ -83,10 +81,9 @@ class InferenceDraft:
         return DraftOutput(self._logits(out, logits_rows), out)
 
     def _logits(self, h: torch.Tensor, logits_rows) -> Optional[torch.Tensor]:
-        if logits_rows is not None:
-            if isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0:
-                return None
-            h = h[:, logits_rows]
+        h = rows_of(h, logits_rows)
+        if h is None:
+            return None
         if self.eagle3:
             h = self.backend.rms_norm(h, *self.norm)
         return self.lm_head(h)

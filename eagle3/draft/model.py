@@ -20,6 +20,7 @@ from torch import nn
 from ..errors import ContractError
 from ..models.config import ModelConfig, RopeConfig
 from ..models.layers import MLP, Attention, RMSNorm, Rotary, causal_block_mask
+from ..models.llama import as_block, rows_of
 from ..models.kv_cache import KVCache
 
 ALGORITHMS = ("eagle3", "eagle")
@@ -166,22 +167,16 @@ class DraftBase(nn.Module):
         return self.fuse(features) if features is not None else hidden
 
     def _logits(self, h: torch.Tensor, logits_rows) -> Optional[torch.Tensor]:
-        if logits_rows is not None:
-            if isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0:
-                return None
-            h = h[:, logits_rows]
-        return self.head(h)
+        wanted = rows_of(h, logits_rows)
+        return None if wanted is None else self.head(wanted)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache, *,
                 features: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
                 attn_mask: Optional[torch.Tensor] = None,
                 logits_rows: Optional[torch.Tensor | slice] = None) -> DraftOutput:
         """One draft forward over a block [B, T], appending its KV at cache.length."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        bsz, seq = input_ids.shape
-        if positions.dim() == 1:
-            positions = positions[None].expand(bsz, seq)
+        input_ids, positions = as_block(input_ids, positions)
+        seq = input_ids.shape[1]
         h = self._select(features, hidden)
         cache.check_room(seq)
         mask = block_mask(cache, seq, attn_mask, input_ids.device)

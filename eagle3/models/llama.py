@@ -23,6 +23,24 @@ class ForwardOutput(NamedTuple):
     aux: Optional[torch.Tensor]      # [B, T, len(capture_ids) * H] captured residual streams, or None
 
 
+def as_block(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [T] or [B, T], positions [T] or [B, T] -> both [B, T] (a forward's block)."""
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if positions.dim() == 1:
+        positions = positions[None].expand(*input_ids.shape)
+    return input_ids, positions
+
+
+def rows_of(hidden: torch.Tensor, logits_rows) -> Optional[torch.Tensor]:
+    """hidden [B, T, H] at the rows whose logits are wanted (None = all; an empty index = none)."""
+    if logits_rows is None:
+        return hidden
+    if isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0:
+        return None
+    return hidden[:, logits_rows]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -80,11 +98,8 @@ class LlamaModel(nn.Module):
         the block whose logits are needed (index tensor or slice); None = all rows.
         capture_ids: layer ids to capture ("input to layer i"), ascending.
         """
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        bsz, seq = input_ids.shape
-        if positions.dim() == 1:
-            positions = positions[None].expand(bsz, seq)
+        input_ids, positions = as_block(input_ids, positions)
+        seq = input_ids.shape[1]
         start = cache.length
         cache.check_room(seq)
         if attn_mask is None and seq > 1:
@@ -102,10 +117,7 @@ class LlamaModel(nn.Module):
             h = layer(h, cos, sin, k_buf, v_buf, start, attn_mask)
         cache.advance(seq)
         hidden = self.norm(h)
-        logits = None
-        if logits_rows is None:
-            logits = self.lm_head(hidden)
-        elif not (isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0):
-            logits = self.lm_head(hidden[:, logits_rows])
+        wanted = rows_of(hidden, logits_rows)
+        logits = None if wanted is None else self.lm_head(wanted)
         aux = torch.cat(feats, dim=-1) if feats else None
         return ForwardOutput(logits, hidden, aux)

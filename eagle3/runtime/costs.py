@@ -108,10 +108,21 @@ def draft_costs(draft, rows: tuple[int, ...] = ROWS, context: int = 200, reps: i
     return out
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def cost_key(target, draft) -> str:
     backend = getattr(target, "backend", None)
     cfg = target.config
-    parts = [platform.processor() or platform.machine(), _cpu_model(), str(torch.get_num_threads()),
+    parts = [platform.machine(), cpu_name(), str(torch.get_num_threads()),
              getattr(backend, "name", "reference"), str(getattr(backend, "weight_dtype", "")),
              f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"]
     if draft is not None:
@@ -120,15 +131,6 @@ def cost_key(target, draft) -> str:
                      f"{getattr(getattr(draft, 'backend', None), 'weight_dtype', '')}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
 
 
 def machine_costs(target, draft=None, remeasure: bool = False, reps: int = 7) -> CostTable:

@@ -14,7 +14,7 @@ import torch
 from ..models.config import ModelConfig, check_capture_ids
 from ..models.kv_cache import KVCache
 from ..models.layers import causal_block_mask
-from ..models.llama import ForwardOutput, LlamaModel
+from ..models.llama import ForwardOutput, LlamaModel, as_block, rows_of
 from .backend import Backend, choose_backend
 from .layer import FastLayer, norm_of
 from .linear import PackedLinear
@@ -59,11 +59,8 @@ class InferenceTarget:
                  logits_rows: Optional[torch.Tensor | slice] = None,
                  capture_ids: Sequence[int] = ()) -> ForwardOutput:
         """As LlamaModel.forward: a block [B, T] appended at cache.length, with feature capture."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        bsz, seq = input_ids.shape
-        if positions.dim() == 1:
-            positions = positions[None].expand(bsz, seq)
+        input_ids, positions = as_block(input_ids, positions)
+        seq = input_ids.shape[1]
         start = cache.length
         cache.check_room(seq)
         if attn_mask is None and seq > 1:
@@ -82,11 +79,8 @@ class InferenceTarget:
             h = layer(h, None, cos, sin, k_buf, v_buf, start, attn_mask)
         cache.advance(seq)
         hidden = self.backend.rms_norm(h, *self.norm)
-        logits = None
-        if logits_rows is None:
-            logits = self.lm_head(hidden)
-        elif not (isinstance(logits_rows, torch.Tensor) and logits_rows.numel() == 0):
-            logits = self.lm_head(hidden[:, logits_rows])
+        wanted = rows_of(hidden, logits_rows)
+        logits = None if wanted is None else self.lm_head(wanted)
         aux = torch.cat(feats, dim=-1) if feats else None
         return ForwardOutput(logits, hidden, aux)
 
