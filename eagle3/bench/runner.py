@@ -9,7 +9,6 @@ import platform
 import sys
 import time
 from dataclasses import replace, dataclass, field
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch

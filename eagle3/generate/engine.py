@@ -34,7 +34,10 @@ class Engine:
         self.max_model_len = max_model_len
         self.policy_factory = policy if draft is not None else None
         self.policies: dict[bool, "AdaptivePolicy"] = {}        # params.greedy -> its policy
-        shapes = [spec] + list(policy().shapes if self.policy_factory else []) if spec else []
+        shapes = [spec] if spec else []
+        if self.policy_factory is not None:                     # made now: its shapes size the caches
+            self.policies[True] = self.policy_factory()
+            shapes += self.policies[True].shapes
         slack = max((s.cache_slack for s in shapes), default=1)  # verify block / draft tree rows
         self.cache = target.new_cache(max_model_len + slack)
         self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None

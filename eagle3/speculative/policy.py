@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Union
 
 from .step import Step
 from .tree import SpecParams
@@ -91,7 +91,7 @@ class AdaptivePolicy:
     # ------------------------------------------------------------------ feedback
     def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float) -> None:
         """One step taken with `arm`: its Step, the draft forwards it ran, its wall time."""
-        self.chosen[_name(arm)] += 1
+        self.chosen[name_of(arm)] += 1
         self.steps += 1
         if arm == PLAIN:
             return
@@ -113,17 +113,14 @@ class AdaptivePolicy:
     def summary(self) -> dict:
         """How the choices spread (arm name -> steps) and each shape's averages."""
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
-                "shapes": {_name(s): {"tokens": round(st.tokens, 3), "rows": round(st.rows, 2),
+                "shapes": {name_of(s): {"tokens": round(st.tokens, 3), "rows": round(st.rows, 2),
                                       "levels": round(st.levels, 2), "steps": st.steps}
                            for s, st in self.stats.items()}}
 
 
-def _name(arm: Arm) -> str:
+def name_of(arm: Arm) -> str:
     if arm == PLAIN:
         return PLAIN
     s: SpecParams = arm
     base = f"chain{s.depth}" if s.is_chain else f"tree{s.top_k}x{s.depth}n{s.num_draft_tokens}"
     return base + (f"p{s.min_prob:g}" if s.min_prob else "") + (f"s{s.suffix_tokens}" if s.suffix_tokens else "")
-
-
-name_of = _name
