@@ -2,7 +2,7 @@
 runtime vs HF transformers in the same run, and plain greedy tokens/s of both.
 
     python scripts/bench_runtime.py [--threads 2] [--reps 10] [--new-tokens 64] [--clock wall|cpu]
-                                    [--weights fp32|bf16] [--context 200]
+                                    [--weights gguf|fp32|bf16] [--context 200] [--model M]
 
 --weights bf16 packs our target as load_engine(weights="bf16") does (bf16 GEMM weights, row-stable
 attention) and loads HF transformers in bf16 too.
@@ -81,15 +81,17 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
-    ap.add_argument("--weights", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--weights", choices=["gguf", "fp32", "bf16"], default="fp32",
+                    help="gguf: the GGUF's own codes on the kernels (HF runs fp32 then)")
+    ap.add_argument("--model", default=None, help="target (default: the packaged SmolLM2 GGUF)")
     ap.add_argument("--context", type=int, default=200, help="cached tokens before the timed forward")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM
-    src = resolve_model(None)
-    model, _ = build_layouts(load_model(src.hf_dir), None, args.weights)
+    src = resolve_model(args.model)
+    model, _ = build_layouts(load_model(src.hf_dir), None, args.weights, source=src)
     tok = load_tokenizer(src.hf_dir)
     dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=dtype).eval()

@@ -136,9 +136,17 @@ def test_a_target_on_the_codes_gives_the_fp32_models_logits(type_name):
     assert all(l.quant_types for l in layout.linears)
     ids = torch.randint(0, 64, (1, 12))
     pos = torch.arange(12)[None]
-    want = model(ids, pos, model.new_cache(32)).logits
+    want = exact_logits(model, ids, pos)
     got = layout(ids, pos, layout.new_cache(32)).logits
-    assert (got - want).abs().max() <= 1e-4
+    assert (got.double() - want).abs().max() <= 1e-4
+
+
+def exact_logits(model, ids, pos) -> torch.Tensor:
+    """The dequantised model evaluated in fp64: the file's exact model (an fp32 evaluation of it
+    is itself up to ~1e-4 away on the real targets, so that is the wrong yardstick)."""
+    exact = copy.deepcopy(model).double()
+    exact.rotary.cos, exact.rotary.sin = exact.rotary.cos.double(), exact.rotary.sin.double()
+    return exact(ids, pos, exact.new_cache(ids.shape[1] + 4)).logits
 
 
 def test_codes_that_do_not_reproduce_the_model_are_a_load_error():
@@ -218,9 +226,7 @@ def test_the_packaged_ggufs_codes_give_the_exact_models_logits(real_model):
     assert all(l.quant_types for l in layout.linears)
     ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30, 2056, 17, 28, 29, 1064, 90, 27, 3]])
     pos = torch.arange(ids.shape[1])[None]
-    exact = copy.deepcopy(model).double()
-    exact.rotary.cos, exact.rotary.sin = exact.rotary.cos.double(), exact.rotary.sin.double()
-    want = exact(ids, pos, exact.new_cache(64)).logits
+    want = exact_logits(model, ids, pos)
     got = layout(ids, pos, layout.new_cache(64)).logits          # 15 rows: the kernels' block path
     assert (got.double() - want).abs().max() <= 1e-4
     cache = layout.new_cache(64)

