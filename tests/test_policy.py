@@ -13,8 +13,19 @@ TABLE = CostTable(ROWS, (10.0, 10.5, 11.0, 13.0, 19.0), (1.0, 1.0, 1.1, 1.3, 1.8
 TREE, CHAIN = SpecParams(4, 5, 8, 0.0), SpecParams.chain(3)
 
 
-def feed(policy, arm, accepted: int, proposed: int, levels: int, wall_ms: float = 0.0):
+def feed(policy, arm, accepted: int, proposed: int, levels: int, wall_ms: float | None = None):
+    """One step of `arm`; wall_ms None: the time the policy's own table gives (a truthful clock)."""
+    if wall_ms is None:
+        wall_ms = clock(policy.costs, arm, proposed + 1, levels)
     policy.observe(arm, Step([0] * (accepted + 1), accepted, proposed=proposed), levels, wall_ms)
+
+
+def clock(costs: CostTable, arm, rows: int, levels: int) -> float:
+    """What a step of `arm` takes on a machine whose forwards cost what `costs` says (no overhead)."""
+    if arm == PLAIN:
+        return costs.target(1)
+    draft = levels * costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
+    return costs.target(rows) + draft
 
 
 def test_cost_table_interpolates_and_extrapolates():
@@ -84,3 +95,17 @@ def test_machine_costs_are_cached_per_key(tmp_path, monkeypatch):
     files[0].write_text(CostTable(ROWS, (1.0,) * 5, (2.0,) * 5).to_json())   # the cache is read
     assert machine_costs(target, draft).target(1) == 1.0
     assert machine_costs(target, draft, remeasure=True, reps=1).rows == table.rows
+
+
+def test_averages_start_as_the_mean_then_forget_exponentially():
+    p = AdaptivePolicy((TREE,), TABLE, memory=0.9, probe_every=0)   # the mean of the first 10
+    seen = [(0, 3, 1), (4, 7, 4), (2, 7, 3)]                          # (accepted, proposed, levels)
+    for accepted, proposed, levels in seen:
+        feed(p, TREE, accepted, proposed, levels)
+    tokens, rows, levels = (sum(x) / 3 for x in zip(*[(a + 1, n + 1, lv) for a, n, lv in seen]))
+    assert p.rate(TREE) == pytest.approx(tokens / (TABLE.target(rows) + levels * TABLE.draft(4)))
+    q = AdaptivePolicy((TREE,), TABLE, memory=0.9, probe_every=0)
+    for _ in range(10):
+        feed(q, TREE, accepted=1, proposed=7, levels=3)
+    feed(q, TREE, accepted=6, proposed=7, levels=3)                   # the 11th weighs 1 - memory
+    assert q.rate(TREE) == pytest.approx((0.9 * 2 + 0.1 * 7) / (TABLE.target(8) + 3 * TABLE.draft(4)))

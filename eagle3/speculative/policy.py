@@ -2,7 +2,8 @@
 rolling acceptance of each choice.
 
 Arms are named choices: PLAIN (one target row, no draft forward) and SpecParams shapes. For each
-shape the policy keeps exponential averages (weight `memory` on the past) of what its steps did:
+shape the policy keeps rolling averages of what its steps did (`Rolling`: the plain mean of the
+first ~1/(1 - memory) steps, then exponential with weight `memory` on the past):
 
     tokens   emitted tokens per step (accepted draft tokens + 1)
     rows     target rows verified per step (the tree's size; dynamic under min_prob)
@@ -40,12 +41,27 @@ DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8
 
 
 @dataclass
+class Rolling:
+    """A rolling mean: the plain mean of the first ~1/(1 - memory) values, then an exponential
+    average with weight `memory` on the past. So the first value is not blended with a zero prior,
+    and one lucky or unlucky early step weighs 1/n, like every other, instead of ~memory."""
+    memory: float
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) * max(1.0 / self.count, 1.0 - self.memory)
+
+
+@dataclass
 class ArmStats:
-    tokens: float = 0.0
-    rows: float = 0.0
-    levels: float = 0.0
+    memory: float
     steps: int = 0
     last_step: int = -1
+
+    def __post_init__(self):
+        self.tokens, self.rows, self.levels = (Rolling(self.memory) for _ in range(3))
 
 
 @dataclass
@@ -63,7 +79,7 @@ class AdaptivePolicy:
     def __post_init__(self):
         if not self.shapes:
             raise ValueError("AdaptivePolicy needs at least one tree shape")
-        self.stats = {s: ArmStats() for s in self.shapes}
+        self.stats = {s: ArmStats(self.memory) for s in self.shapes}
 
     # ------------------------------------------------------------------ choice
     def choose(self) -> Arm:
@@ -80,13 +96,14 @@ class AdaptivePolicy:
         if arm == PLAIN:
             return 1.0 / self.costs.target(1)
         s = self.stats[arm]
-        return s.tokens / self.cost_ms(arm)
+        return s.tokens.value / self.cost_ms(arm)
 
     def cost_ms(self, arm: Arm) -> float:
         if arm == PLAIN:
             return self.costs.target(1)
         s = self.stats[arm]
-        return self.costs.target(s.rows) + s.levels * self.costs.draft(arm.top_k) + self.overhead_ms
+        return (self.costs.target(s.rows.value) + s.levels.value * self.costs.draft(arm.top_k)
+                + self.overhead_ms)
 
     # ------------------------------------------------------------------ feedback
     def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float) -> None:
@@ -97,13 +114,9 @@ class AdaptivePolicy:
             return
         s = self.stats[arm]
         rows = step.proposed + 1
-        if s.steps == 0:
-            s.tokens, s.rows, s.levels = float(len(step.tokens)), float(rows), float(levels)
-        else:
-            m = self.memory
-            s.tokens = m * s.tokens + (1 - m) * len(step.tokens)
-            s.rows = m * s.rows + (1 - m) * rows
-            s.levels = m * s.levels + (1 - m) * levels
+        s.tokens.add(len(step.tokens))
+        s.rows.add(rows)
+        s.levels.add(levels)
         s.steps += 1
         s.last_step = self.steps
         predicted = self.costs.target(rows) + levels * self.costs.draft(arm.top_k)
@@ -113,8 +126,8 @@ class AdaptivePolicy:
     def summary(self) -> dict:
         """How the choices spread (arm name -> steps) and each shape's averages."""
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
-                "shapes": {name_of(s): {"tokens": round(st.tokens, 3), "rows": round(st.rows, 2),
-                                      "levels": round(st.levels, 2), "steps": st.steps}
+                "shapes": {name_of(s): {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
+                                      "levels": round(st.levels.value, 2), "steps": st.steps}
                            for s, st in self.stats.items()}}
 
 
