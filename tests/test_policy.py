@@ -46,7 +46,7 @@ def test_untried_shapes_go_first_then_the_best_rate():
 
 
 def test_falls_back_to_plain_when_nothing_is_accepted_and_probes_again():
-    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8)
+    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8, max_probe_every=8)
     choices = []
     for _ in range(16):
         arm = p.choose()
@@ -109,3 +109,39 @@ def test_averages_start_as_the_mean_then_forget_exponentially():
         feed(q, TREE, accepted=1, proposed=7, levels=3)
     feed(q, TREE, accepted=6, proposed=7, levels=3)                   # the 11th weighs 1 - memory
     assert q.rate(TREE) == pytest.approx((0.9 * 2 + 0.1 * 7) / (TABLE.target(8) + 3 * TABLE.draft(4)))
+
+
+DEAR_TREES = CostTable(ROWS, (10.0, 20.0, 25.0, 30.0, 40.0), (2.0,) * 5)
+SLOW_PLAIN = CostTable(ROWS, (25.0,) + TABLE.target_ms[1:], TABLE.draft_ms)   # 1 row 2.5x the table
+
+
+@pytest.mark.parametrize("table,truth,accepted,want", [
+    (TABLE, DEAR_TREES, 1, PLAIN),      # the table says trees pay (2 tokens / 17.4 ms), they do not
+    (DEAR_TREES, TABLE, 1, TREE),       # the table says they do not (2 / 38 ms), they do
+    (TABLE, SLOW_PLAIN, 0, TREE),       # plain steps take 25 ms, not 10: a 1-token tree pays
+], ids=["trees-slower", "trees-faster", "plain-slower"])
+def test_the_clock_corrects_a_stale_table(table, truth, accepted, want):
+    p = AdaptivePolicy((TREE,), table, probe_every=0)
+    choices = []
+    for _ in range(12):
+        arm = p.choose()
+        choices.append(arm)
+        acc = accepted if arm != PLAIN else 0
+        feed(p, arm, acc, 7 if arm != PLAIN else 0, 4, clock(truth, arm, 8 if arm != PLAIN else 1, 4))
+    assert choices[2:] == [want] * 10, [name_of(a) for a in choices]
+    for arm, rows in ((TREE, 8), (PLAIN, 1)):       # what each arm costs on the machine, now
+        assert p.cost_ms(arm) == pytest.approx(clock(truth, arm, rows, 4))
+
+
+def test_probes_back_off_while_nothing_changes_and_restart_when_the_choice_changes():
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16)
+    off: list[int] = []                     # steps that did not take the leading arm
+    for i in range(90):
+        arm = p.choose()
+        good = i >= 43                      # from the probe at 43 on, the tree accepts 6 tokens
+        if arm != (TREE if i >= 44 else PLAIN):
+            off.append(i)
+        feed(p, arm, 6 if good and arm == TREE else 0, 7 if arm == TREE else 0, 5)
+    # untried, the first probe at probe_every - 1, then 8, 16, 16 steps apart; the tree leads from
+    # 44 on: plain is probed 4 steps later, then 8, 16, 16 apart
+    assert off == [0, 3, 11, 27, 43, 48, 56, 72, 88]
