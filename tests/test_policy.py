@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3.runtime.costs import CostTable, machine_costs
-from eagle3.speculative.policy import PLAIN, AdaptivePolicy, name_of
+from eagle3.errors import InputError
+from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.step import Step
 from eagle3.speculative.tree import SpecParams
 
@@ -145,3 +146,28 @@ def test_probes_back_off_while_nothing_changes_and_restart_when_the_choice_chang
     # untried, the first probe at probe_every - 1, then 8, 16, 16 steps apart; the tree leads from
     # 44 on: plain is probed 4 steps later, then 8, 16, 16 apart
     assert off == [0, 3, 11, 27, 43, 48, 56, 72, 88]
+
+
+def test_suffix_only_is_offered_with_a_match_and_taken_when_its_rate_is_highest():
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    assert p.suffix_only_tokens == TREE.max_tree_size - 1          # the largest block the caches hold
+    feed(p, p.choose(), accepted=1, proposed=7, levels=4)          # 2 tokens / 17.4 ms
+    assert p.choose(suffix_ready=True) == SUFFIX_ONLY              # untried, and a match this step
+    feed(p, SUFFIX_ONLY, accepted=4, proposed=7, levels=0)         # 5 tokens / 13 ms: no draft levels
+    assert p.rate(SUFFIX_ONLY) == pytest.approx(5 / TABLE.target(8))
+    assert p.choose(suffix_ready=True) == SUFFIX_ONLY
+    assert p.choose(suffix_ready=False) == TREE                    # no match: not offered
+    for _ in range(3):
+        feed(p, SUFFIX_ONLY, accepted=0, proposed=7, levels=0)     # mean 2 tokens / 13 ms: still best
+    assert p.choose(suffix_ready=True) == SUFFIX_ONLY
+    for _ in range(5):
+        feed(p, SUFFIX_ONLY, accepted=0, proposed=7, levels=0)     # mean 13/9 / 13 ms < 2 / 17.4
+    assert p.choose(suffix_ready=True) == TREE
+    assert p.summary()["chosen"] == {"tree4x5n8": 1, "suffix": 9}
+    assert name_of(SUFFIX_ONLY) == "suffix"
+
+
+def test_suffix_only_blocks_fit_the_caches_the_shapes_size():
+    assert AdaptivePolicy((TREE,), TABLE, suffix_only_tokens=0).arms(suffix_ready=True) == [TREE, PLAIN]
+    with pytest.raises(InputError, match="suffix_only_tokens"):
+        AdaptivePolicy((CHAIN,), TABLE, suffix_only_tokens=8)      # 9 rows; chain3 verifies 4

@@ -1,7 +1,9 @@
 """The adaptive step: which tree shape to draft next, or plain decoding, from measured costs and the
 rolling acceptance of each choice.
 
-Arms are named choices: PLAIN (one target row, no draft forward) and SpecParams shapes. For each
+Arms are named choices: PLAIN (one target row, no draft forward), SpecParams shapes, and
+SUFFIX_ONLY: the suffix index's continuations alone as the verify block (up to suffix_only_tokens
+nodes under the root, no draft forward; offered only at a step where the index has a match). For each
 arm the policy keeps rolling averages of what its steps did (`Rolling`: the plain mean of the
 first ~1/(1 - memory) steps, then exponential with weight `memory` on the past):
 
@@ -15,6 +17,7 @@ by rows), scaled by the arm's ratio, so a table gone stale (other load on the ma
 governor down to one thread) is corrected per arm after a few steps while one noisy step is not:
 
     table(shape) = target_ms(rows) + levels * draft_ms(top_k) + overhead_ms
+    table(SUFFIX_ONLY) = target_ms(rows) + overhead_ms
     table(PLAIN) = target_ms(1)                      (tokens = 1 exactly)
     cost(arm)    = table(arm) * ratio(arm)           (ratio 1 before the arm's first step)
     rate(arm)    = tokens(arm) / cost(arm)
@@ -24,7 +27,8 @@ forwards of the drafting steps, shared by the shapes; it is updated before the s
 taken, so the two do not count the same milliseconds twice. `correct_costs=False` trusts the table
 as it is (the ratios are still kept).
 
-`choose` returns the arm of the highest rate. A shape not tried yet goes first (in the given order).
+`choose` returns the arm of the highest rate. An arm not tried yet goes first (the shapes in the given
+order, then SUFFIX_ONLY).
 A probe takes the arm chosen least recently other than the best, so a stretch where the draft
 starts to pay again (or a better shape, or plain decoding gone cheap) is found after a fallback.
 Probes come `probe_every` steps apart; each probe doubles the interval up to `max_probe_every`, and
@@ -44,6 +48,7 @@ from .step import Step
 from .tree import SpecParams
 
 PLAIN = "plain"
+SUFFIX_ONLY = "suffix"
 Arm = Union[str, SpecParams]
 
 # the adaptive step's default choices (with PLAIN): the default tree, the same with up to 8 suffix
@@ -90,6 +95,7 @@ class AdaptivePolicy:
     max_probe_every: int = 128
     allow_plain: bool = True
     correct_costs: bool = True                 # False: cost = the table's, uncorrected
+    suffix_only_tokens: Optional[int] = None   # None: the largest shape's verify block - 1; 0: no arm
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
     steps: int = 0
@@ -102,27 +108,40 @@ class AdaptivePolicy:
         if self.probe_every and self.max_probe_every < self.probe_every:
             raise InputError(f"AdaptivePolicy max_probe_every ({self.max_probe_every}) is below "
                              f"probe_every ({self.probe_every}); raise max_probe_every")
-        self.stats = {arm: ArmStats(self.memory) for arm in (*self.shapes, PLAIN)}
+        self.suffix_only_tokens = self._suffix_budget(self.suffix_only_tokens)
+        self.stats = {arm: ArmStats(self.memory) for arm in (*self.shapes, PLAIN, SUFFIX_ONLY)}
         self.overhead = Rolling(self.memory)
         self.interval = self.probe_every       # steps from the last probe to the next one
         self.next_probe = self.probe_every - 1
         self.leader: Optional[Arm] = None      # the best of the arms at the last choice
+
+    def _suffix_budget(self, tokens: Optional[int]) -> int:
+        """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder)."""
+        most = max(s.max_tree_size for s in self.shapes) - 1
+        if tokens is None:
+            return most
+        if not 0 <= tokens <= most:
+            raise InputError(f"AdaptivePolicy suffix_only_tokens={tokens} does not fit the largest "
+                             f"verify block of the shapes ({most} nodes after the root); use 0..{most}")
+        return tokens
 
     @property
     def overhead_ms(self) -> float:
         return self.overhead.value
 
     # ------------------------------------------------------------------ choice
-    def arms(self) -> list[Arm]:
-        return list(self.shapes) + ([PLAIN] if self.allow_plain else [])
+    def arms(self, suffix_ready: bool = False) -> list[Arm]:
+        """The arms offered at a step; suffix_ready: the suffix index has a match at this step."""
+        suffix = [SUFFIX_ONLY] if suffix_ready and self.suffix_only_tokens else []
+        return list(self.shapes) + suffix + ([PLAIN] if self.allow_plain else [])
 
-    def choose(self) -> Arm:
-        arms = self.arms()
+    def choose(self, suffix_ready: bool = False) -> Arm:
+        arms = self.arms(suffix_ready)
         untried = [a for a in arms if a != PLAIN and self.stats[a].steps == 0]
         if untried:
             return untried[0]
         best = max(arms, key=self.rate)
-        self._follow(best)
+        self._follow(max(self.arms(), key=self.rate))
         others = [a for a in arms if a != best]
         if self.probe_every and self.steps >= self.next_probe and others:
             self.interval = min(2 * self.interval, self.max_probe_every)
@@ -131,7 +150,8 @@ class AdaptivePolicy:
         return best
 
     def _follow(self, best: Arm) -> None:
-        """Probe at the base interval again when the leading arm changed."""
+        """Probe at the base interval again when the leading arm changed. The leader is taken
+        among the arms offered at every step: SUFFIX_ONLY comes and goes with the matches."""
         if best != self.leader:
             self.leader, self.interval = best, self.probe_every
             self.next_probe = min(self.next_probe, self.steps + self.probe_every)
@@ -153,8 +173,9 @@ class AdaptivePolicy:
             return self.costs.target(1)
         return self._forwards_ms(arm, rows, levels) + self.overhead_ms
 
-    def _forwards_ms(self, arm: SpecParams, rows: float, levels: float) -> float:
-        return self.costs.target(rows) + levels * self.costs.draft(arm.top_k)
+    def _forwards_ms(self, arm: Arm, rows: float, levels: float) -> float:
+        draft = levels * self.costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
+        return self.costs.target(rows) + draft
 
     # ------------------------------------------------------------------ feedback
     def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float) -> None:
@@ -171,7 +192,7 @@ class AdaptivePolicy:
         s.levels.add(levels)
         s.steps += 1
         s.last_step = self.steps
-        if arm != PLAIN:
+        if isinstance(arm, SpecParams):                    # the drafting steps' bookkeeping
             self.overhead.add(max(wall_ms - self._forwards_ms(arm, rows, levels), 0.0))
         s.ratio.add(wall_ms / self.table_ms(arm, rows, levels))
 
@@ -186,8 +207,8 @@ class AdaptivePolicy:
 
 
 def name_of(arm: Arm) -> str:
-    if arm == PLAIN:
-        return PLAIN
+    if arm in (PLAIN, SUFFIX_ONLY):
+        return arm
     s: SpecParams = arm
     base = f"chain{s.depth}" if s.is_chain else f"tree{s.top_k}x{s.depth}n{s.num_draft_tokens}"
     return base + (f"p{s.min_prob:g}" if s.min_prob else "") + (f"s{s.suffix_tokens}" if s.suffix_tokens else "")
