@@ -13,8 +13,8 @@
 | eagle3:spec_decode_num_drafts_total | counter | decode steps that verified a draft |
 | eagle3:spec_decode_num_draft_tokens_total | counter | draft tokens proposed (verified by the target) |
 | eagle3:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted |
-| eagle3:spec_decode_num_accepted_suffix_tokens_total | counter | of those, tokens only the suffix index proposed (the rest came from the draft) |
-| eagle3:spec_decode_steps_total{arm} | counter | decode steps by the adaptive step's choice (a tree shape, "suffix", "plain"); none without a policy |
+| eagle3:spec_decode_num_accepted_suffix_tokens_total | counter | of those, suffix-only nodes |
+| eagle3:spec_decode_steps_total{arm} | counter | decode steps by adaptive choice (policy.name_of) |
 | eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
 | eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
 | eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |

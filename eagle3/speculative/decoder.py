@@ -59,6 +59,12 @@ class DraftHead(NamedTuple):
     hidden: torch.Tensor   # [H] pre-norm, fed back as hidden= for the first level's children
 
 
+class Verified(NamedTuple):
+    """A verified tree block: the acceptance and the target features of the accepted nodes."""
+    acc: Acceptance
+    features: torch.Tensor   # [m+1, F] at the root and the accepted nodes, in path order
+
+
 class SpecDecoder:
     """Implements eagle3.generate.types.Decoder with a draft model and tree verification."""
 
@@ -164,15 +170,10 @@ class SpecDecoder:
         t0 = time.perf_counter()
         start = self.cache.length
         m = merge_suffix([int(self.root)], [-1], conts, self.suffix_only_tokens)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        tree = build_tree(as_tensor(m.tokens), as_tensor(m.parents), start, m.depth, m.sources)
-        out = self.target(tree.tokens[None], tree.positions, self.cache,
-                          attn_mask=tree_block_mask(start, tree.mask), capture_ids=self.capture_ids)
-        acc = self.accept(out.logits[0], tree)
-        kept = as_tensor(acc.nodes)
-        self.cache.keep(start, kept)
-        self.root = as_tensor(acc.tokens[-1:])
-        self.pending.append((as_tensor(acc.tokens), self._features(out)[0, kept]))
+        tree = build_tree(self._ids(m.tokens), self._ids(m.parents), start, m.depth, m.sources)
+        acc, features = self._verify(tree, start)
+        self.root = self._ids(acc.tokens[-1:])
+        self.pending.append((self._ids(acc.tokens), features))
         self.suffix.extend(acc.tokens)
         return Step(acc.tokens, acc.accept_len, verify_s=time.perf_counter() - t0,
                     proposed=tree.size - 1, accepted_suffix=acc.accept_len)
@@ -183,15 +184,10 @@ class SpecDecoder:
         tree = self.draft_tree()
         t1 = self._clock()
         start = self.cache.length
-        out = self.target(tree.tokens[None], tree.positions, self.cache,
-                          attn_mask=tree_block_mask(start, tree.mask), capture_ids=self.capture_ids)
-        acc = self.accept(out.logits[0], tree)
-        kept = torch.tensor(acc.nodes, device=self.device)
-        self.cache.keep(start, kept)
+        acc, features = self._verify(tree, start)
         t2 = time.perf_counter()
-        self.root = torch.tensor(acc.tokens[-1:], device=self.device)
-        emitted = torch.tensor(acc.tokens, device=self.device)
-        self._extend(emitted, self._features(out)[0, kept], start)
+        self.root = self._ids(acc.tokens[-1:])
+        self._extend(self._ids(acc.tokens), features, start)
         if self.suffix is not None:
             self.suffix.extend(acc.tokens)
         t3 = time.perf_counter()
@@ -205,6 +201,19 @@ class SpecDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _verify(self, tree: Tree, start: int) -> Verified:
+        """One target forward over the tree block at cache row `start`; the accepted path is
+        compacted to start.. in the cache."""
+        out = self.target(tree.tokens[None], tree.positions, self.cache,
+                          attn_mask=tree_block_mask(start, tree.mask), capture_ids=self.capture_ids)
+        acc = self.accept(out.logits[0], tree)
+        kept = self._ids(acc.nodes)
+        self.cache.keep(start, kept)
+        return Verified(acc, self._features(out)[0, kept])
 
     def accept(self, logits: torch.Tensor, tree: Tree) -> Acceptance:
         # logits [T, V] at the tree nodes
@@ -283,8 +292,7 @@ class SpecDecoder:
         spec = self.spec
         conts = [c.tokens for c in self.suffix.propose(spec.depth + spec.suffix_tokens)]
         m = merge_suffix(tokens.tolist(), parents.tolist(), conts, spec.suffix_tokens)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return build_tree(as_tensor(m.tokens), as_tensor(m.parents), prefix_len,
+        return build_tree(self._ids(m.tokens), self._ids(m.parents), prefix_len,
                           max(spec.depth, m.depth), m.sources)
 
     def _features(self, out) -> torch.Tensor:

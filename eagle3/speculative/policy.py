@@ -3,8 +3,8 @@ rolling acceptance of each choice.
 
 Arms are named choices: PLAIN (one target row, no draft forward), SpecParams shapes, and
 SUFFIX_ONLY: the suffix index's continuations alone as the verify block (up to suffix_only_tokens
-nodes under the root, no draft forward; offered only at a step where the index has a match). For each
-arm the policy keeps rolling averages of what its steps did (`Rolling`: the plain mean of the
+nodes under the root, no draft forward; offered only at a step where the index has a match). For
+each arm the policy keeps rolling averages of what its steps did (`Rolling`: the plain mean of the
 first ~1/(1 - memory) steps, then exponential with weight `memory` on the past):
 
     tokens   emitted tokens per step (accepted draft tokens + 1)
@@ -27,14 +27,14 @@ forwards of the drafting steps, shared by the shapes; it is updated before the s
 taken, so the two do not count the same milliseconds twice. `correct_costs=False` trusts the table
 as it is (the ratios are still kept).
 
-`choose` returns the arm of the highest rate. An arm not tried yet goes first (the shapes in the given
-order, then SUFFIX_ONLY).
-A probe takes the arm chosen least recently other than the best, so a stretch where the draft
-starts to pay again (or a better shape, or plain decoding gone cheap) is found after a fallback.
-Probes come `probe_every` steps apart; each probe doubles the interval up to `max_probe_every`, and
-the interval restarts at `probe_every` when the leading arm changes (a probe that changed the
-choice, or the averages moving), so a stable choice spends few steps on probes (at T=1, where
-plain wins most steps, a probe every 16 steps was a speculative step that did not pay).
+`choose` returns the arm of the highest rate. An arm not tried yet goes first (the shapes in the
+given order, then SUFFIX_ONLY). A probe takes the arm chosen least recently other than the best, so
+a stretch where the draft starts to pay again (or a better shape, or plain decoding gone cheap) is
+found after a fallback. The first probe comes at step probe_every - 1; each probe doubles the
+interval to the next (up to max_probe_every), and the interval restarts at probe_every when the
+leading arm among the shapes and plain changes (a probe that changed the choice, or the averages
+moving). So a stable choice spends few steps on probes: at T=1, where plain wins most steps, a
+probe every 16 steps was a speculative step that did not pay.
 Choosing never changes what is emitted: every arm is lossless.
 """
 from __future__ import annotations
@@ -113,7 +113,7 @@ class AdaptivePolicy:
         self.overhead = Rolling(self.memory)
         self.interval = self.probe_every       # steps from the last probe to the next one
         self.next_probe = self.probe_every - 1
-        self.leader: Optional[Arm] = None      # the best of the arms at the last choice
+        self.leader: Optional[Arm] = None      # the best of the shapes and plain at the last choice
 
     def _suffix_budget(self, tokens: Optional[int]) -> int:
         """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder)."""
