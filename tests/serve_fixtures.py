@@ -46,9 +46,10 @@ class GroupedDecoder:
     decoder's; only the per-step bookkeeping imitates speculation (a known drafted pattern)."""
 
     def __init__(self, plain: PlainDecoder, depth: int, delay_s: float = 0.0,
-                 never_accept: bool = False):
+                 never_accept: bool = False, arms: tuple[str, ...] = ()):
         self.plain, self.depth, self.delay_s = plain, depth, delay_s
         self.never_accept = never_accept      # a draft whose proposals are all rejected
+        self.arms = arms
         self.steps = 0
 
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
@@ -59,8 +60,12 @@ class GroupedDecoder:
             time.sleep(self.delay_s)
         group = 1 if self.never_accept else 1 + self.steps % (self.depth + 1)
         self.steps += 1
+        arm = self.arms[(self.steps - 1) % len(self.arms)] if self.arms else ""
+        if arm == "plain":
+            return Step(self.plain.step().tokens, 0, arm=arm)
         tokens = [t for _ in range(group) for t in self.plain.step().tokens]
-        return Step(tokens, group - 1, proposed=self.depth)
+        suffix = group - 1 if arm == "suffix" else 0
+        return Step(tokens, group - 1, proposed=self.depth, accepted_suffix=suffix, arm=arm)
 
 
 class GroupedEngine(Engine):
@@ -74,12 +79,14 @@ class GroupedEngine(Engine):
         super().__init__(target, tok, spec=spec, max_model_len=max_model_len)
         self.delay_s = delay_s
         self.never_accept = False
+        self.arms: tuple[str, ...] = ()       # step labels in turn ("plain": 1 token, "suffix": its
+                                              # accepted tokens count as suffix-only)
 
     def make_decoder(self, params: SamplingParams, speculative: bool = True):
         plain = PlainDecoder(self.target, self.cache, params)
         if not speculative:
             return plain
-        return GroupedDecoder(plain, self.spec.depth, self.delay_s, self.never_accept)
+        return GroupedDecoder(plain, self.spec.depth, self.delay_s, self.never_accept, self.arms)
 
 
 def free_socket() -> socket.socket:

@@ -11,7 +11,7 @@ import torch
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.costs import CostTable
 from eagle3.speculative.decoder import SpecDecoder
-from eagle3.speculative.policy import PLAIN, AdaptivePolicy, name_of
+from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.tree import SpecParams
 from spec_helpers import (assert_caches_equal_one_pass, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
                           plain_greedy, tiny_draft, tiny_target)
@@ -28,14 +28,19 @@ CHEAP_TREES = CostTable((1, 2, 4, 8, 16), (10.0, 10.1, 10.2, 10.4, 10.8), (0.01,
 
 
 class Scripted:
-    """A policy that takes the arms of `script` in turn (plain steps between trees, shape changes)."""
+    """A policy that takes the arms of `script` in turn (plain steps between trees, shape changes);
+    SUFFIX_ONLY at a step where the suffix index has no match is a plain step."""
+    suffix_only_tokens = 6
 
     def __init__(self, script):
-        self.script, self.shapes, self.i = script, tuple(a for a in script if a != PLAIN), 0
+        self.script, self.i, self.taken = script, 0, []
+        self.shapes = tuple(a for a in script if isinstance(a, SpecParams))
 
-    def choose(self):
+    def choose(self, suffix_ready=False):
         self.i += 1
-        return self.script[(self.i - 1) % len(self.script)]
+        arm = self.script[(self.i - 1) % len(self.script)]
+        self.taken.append(PLAIN if arm == SUFFIX_ONLY and not suffix_ready else arm)
+        return self.taken[-1]
 
     def observe(self, arm, step, levels, wall_ms):
         pass
@@ -76,13 +81,55 @@ def test_any_sequence_of_choices_keeps_greedy_identity_and_the_caches(target, re
     assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
 
 
+SUFFIX_SCRIPTS = [(SUFFIX_ONLY,), (SUFFIX_ONLY, SHAPES[1]), (PLAIN, SUFFIX_ONLY, SUFFIX_ONLY, SHAPES[2])]
+
+
+@pytest.mark.parametrize("script", SUFFIX_SCRIPTS, ids=lambda s: "-".join(map(name_of, s)))
+def test_suffix_only_steps_run_no_draft_and_keep_greedy_identity_and_the_caches(target, reference, script):
+    draft = tiny_draft(target)                        # a random draft: the suffix index does the work
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=Scripted(script))
+    forwards: list[int] = []
+    draft.register_forward_pre_hook(lambda *_: forwards.append(1))
+    steps, draft_forwards = [dec.prefill(PROMPT, MAX_NEW)], []
+    while sum(len(s.tokens) for s in steps) < 30:
+        forwards.clear()
+        steps.append(dec.step())
+        draft_forwards.append(len(forwards))
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == reference[:len(emitted)]
+    only = [i for i, s in enumerate(steps[1:]) if s.arm == name_of(SUFFIX_ONLY)]
+    assert only and sum(steps[i + 1].accepted for i in only) > 0
+    assert all(draft_forwards[i] == 0 for i in only)
+    assert all(0 < steps[i + 1].proposed <= Scripted.suffix_only_tokens for i in only)
+    assert all(steps[i + 1].accepted_suffix == steps[i + 1].accepted for i in only)
+    dec._catch_up()                                   # rows the suffix-only and plain steps left
+    assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
+
+
+DEAR_DRAFT = CostTable((1, 2, 4, 8, 16), (10.0, 10.1, 10.2, 10.4, 10.8), (40.0,) * 5)
+
+
+def test_the_engine_takes_suffix_only_steps_when_they_pay(target, reference):
+    engine = Engine(target, StubTokenizer(), draft=tiny_draft(target), max_model_len=len(PROMPT) + MAX_NEW,
+                    policy=lambda: AdaptivePolicy(SHAPES, DEAR_DRAFT, correct_costs=False))
+    result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
+    assert result.token_ids == reference
+    arms = result.arms                                # plain where the index has no match
+    assert max(arms, key=arms.get) == name_of(SUFFIX_ONLY), arms
+    assert sum(s.accepted_suffix for s in result.decode_steps if s.arm == name_of(SUFFIX_ONLY)) > 0
+    assert engine.policies[True].summary()["chosen"] == arms
+
+
 @pytest.mark.parametrize("oracle,costs,plain_share", [(False, CHEAP_PLAIN, (0.8, 1.0)),
                                                        (True, CHEAP_TREES, (0.0, 0.2))],
                          ids=["random-draft-plain-pays", "oracle-draft-trees-pay"])
 def test_the_engine_follows_its_policy_and_stays_lossless(target, reference, oracle, costs, plain_share):
+    # the fake tables stand as they are: the wall-clock correction would replace them with this
+    # machine's timings of the tiny model
     draft = oracle_draft(target, PROMPT + reference) if oracle else tiny_draft(target)
     engine = Engine(target, StubTokenizer(), draft=draft, max_model_len=len(PROMPT) + MAX_NEW,
-                    policy=lambda: AdaptivePolicy(SHAPES, costs, probe_every=8))
+                    policy=lambda: AdaptivePolicy(SHAPES, costs, probe_every=8, correct_costs=False))
     result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
     assert result.token_ids == reference
     arms = [s.arm for s in result.decode_steps]
@@ -107,13 +154,16 @@ def sample_two_after_first(dec: SpecDecoder, prompt: list[int], num: int):
     return t1, counts
 
 
-@pytest.mark.parametrize("script", [(PLAIN, SHAPES[0]), (SHAPES[2], PLAIN), (PLAIN, PLAIN)],
-                         ids=["plain-then-tree", "chain-then-plain", "plain"])
+@pytest.mark.parametrize("script", [(PLAIN, SHAPES[0]), (SHAPES[2], PLAIN), (PLAIN, PLAIN),
+                                    (SUFFIX_ONLY, SHAPES[0])],
+                         ids=["plain-then-tree", "chain-then-plain", "plain", "suffix-then-tree"])
 def test_sampling_across_choices_is_lossless(target, reference, script):
     params = SamplingParams(temperature=1.0, seed=3)
     prompt = PROMPT + reference[:7]
     draft = tiny_draft(target, 6)
+    policy = Scripted(script)
     dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), params, SHAPES[0],
-                      policy=Scripted(script))
+                      policy=policy)
     t1, counts = sample_two_after_first(dec, prompt, 600)
+    assert all(arm in policy.taken for arm in script)    # a suffix-only arm found its matches
     assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01

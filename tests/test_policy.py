@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from eagle3.runtime.costs import CostTable, machine_costs
-from eagle3.speculative.policy import PLAIN, AdaptivePolicy, name_of
+from eagle3.errors import InputError
+from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.step import Step
 from eagle3.speculative.tree import SpecParams
 
@@ -13,8 +14,19 @@ TABLE = CostTable(ROWS, (10.0, 10.5, 11.0, 13.0, 19.0), (1.0, 1.0, 1.1, 1.3, 1.8
 TREE, CHAIN = SpecParams(4, 5, 8, 0.0), SpecParams.chain(3)
 
 
-def feed(policy, arm, accepted: int, proposed: int, levels: int, wall_ms: float = 0.0):
+def feed(policy, arm, accepted: int, proposed: int, levels: int, wall_ms: float | None = None):
+    """One step of `arm`; wall_ms None: the time the policy's own table gives (a truthful clock)."""
+    if wall_ms is None:
+        wall_ms = clock(policy.costs, arm, proposed + 1, levels)
     policy.observe(arm, Step([0] * (accepted + 1), accepted, proposed=proposed), levels, wall_ms)
+
+
+def clock(costs: CostTable, arm, rows: int, levels: int) -> float:
+    """What a step of `arm` takes on a machine whose forwards cost what `costs` says (no overhead)."""
+    if arm == PLAIN:
+        return costs.target(1)
+    draft = levels * costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
+    return costs.target(rows) + draft
 
 
 def test_cost_table_interpolates_and_extrapolates():
@@ -35,7 +47,7 @@ def test_untried_shapes_go_first_then_the_best_rate():
 
 
 def test_falls_back_to_plain_when_nothing_is_accepted_and_probes_again():
-    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8)
+    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8, max_probe_every=8)
     choices = []
     for _ in range(16):
         arm = p.choose()
@@ -84,3 +96,78 @@ def test_machine_costs_are_cached_per_key(tmp_path, monkeypatch):
     files[0].write_text(CostTable(ROWS, (1.0,) * 5, (2.0,) * 5).to_json())   # the cache is read
     assert machine_costs(target, draft).target(1) == 1.0
     assert machine_costs(target, draft, remeasure=True, reps=1).rows == table.rows
+
+
+def test_averages_start_as_the_mean_then_forget_exponentially():
+    p = AdaptivePolicy((TREE,), TABLE, memory=0.9, probe_every=0)   # the mean of the first 10
+    seen = [(0, 3, 1), (4, 7, 4), (2, 7, 3)]                          # (accepted, proposed, levels)
+    for accepted, proposed, levels in seen:
+        feed(p, TREE, accepted, proposed, levels)
+    tokens, rows, levels = (sum(x) / 3 for x in zip(*[(a + 1, n + 1, lv) for a, n, lv in seen]))
+    assert p.rate(TREE) == pytest.approx(tokens / (TABLE.target(rows) + levels * TABLE.draft(4)))
+    q = AdaptivePolicy((TREE,), TABLE, memory=0.9, probe_every=0)
+    for _ in range(10):
+        feed(q, TREE, accepted=1, proposed=7, levels=3)
+    feed(q, TREE, accepted=6, proposed=7, levels=3)                   # the 11th weighs 1 - memory
+    assert q.rate(TREE) == pytest.approx((0.9 * 2 + 0.1 * 7) / (TABLE.target(8) + 3 * TABLE.draft(4)))
+
+
+DEAR_TREES = CostTable(ROWS, (10.0, 20.0, 25.0, 30.0, 40.0), (2.0,) * 5)
+SLOW_PLAIN = CostTable(ROWS, (25.0,) + TABLE.target_ms[1:], TABLE.draft_ms)   # 1 row 2.5x the table
+
+
+@pytest.mark.parametrize("table,truth,accepted,want", [
+    (TABLE, DEAR_TREES, 1, PLAIN),      # the table says trees pay (2 tokens / 17.4 ms), they do not
+    (DEAR_TREES, TABLE, 1, TREE),       # the table says they do not (2 / 38 ms), they do
+    (TABLE, SLOW_PLAIN, 0, TREE),       # plain steps take 25 ms, not 10: a 1-token tree pays
+], ids=["trees-slower", "trees-faster", "plain-slower"])
+def test_the_clock_corrects_a_stale_table(table, truth, accepted, want):
+    p = AdaptivePolicy((TREE,), table, probe_every=0)
+    choices = []
+    for _ in range(12):
+        arm = p.choose()
+        choices.append(arm)
+        acc = accepted if arm != PLAIN else 0
+        feed(p, arm, acc, 7 if arm != PLAIN else 0, 4, clock(truth, arm, 8 if arm != PLAIN else 1, 4))
+    assert choices[2:] == [want] * 10, [name_of(a) for a in choices]
+    for arm, rows in ((TREE, 8), (PLAIN, 1)):       # what each arm costs on the machine, now
+        assert p.cost_ms(arm) == pytest.approx(clock(truth, arm, rows, 4))
+
+
+def test_probes_back_off_while_nothing_changes_and_restart_when_the_choice_changes():
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16)
+    off: list[int] = []                     # steps that did not take the leading arm
+    for i in range(90):
+        arm = p.choose()
+        good = i >= 43                      # from the probe at 43 on, the tree accepts 6 tokens
+        if arm != (TREE if i >= 44 else PLAIN):
+            off.append(i)
+        feed(p, arm, 6 if good and arm == TREE else 0, 7 if arm == TREE else 0, 5)
+    # untried, the first probe at probe_every - 1, then 8, 16, 16 steps apart; the tree leads from
+    # 44 on: plain is probed 4 steps later, then 8, 16, 16 apart
+    assert off == [0, 3, 11, 27, 43, 48, 56, 72, 88]
+
+
+def test_suffix_only_is_offered_with_a_match_and_taken_when_its_rate_is_highest():
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    assert p.suffix_only_tokens == TREE.max_tree_size - 1          # the largest block the caches hold
+    feed(p, p.choose(), accepted=1, proposed=7, levels=4)          # 2 tokens / 17.4 ms
+    assert p.choose(suffix_ready=True) == SUFFIX_ONLY              # untried, and a match this step
+    feed(p, SUFFIX_ONLY, accepted=4, proposed=7, levels=0)         # 5 tokens / 13 ms: no draft levels
+    assert p.rate(SUFFIX_ONLY) == pytest.approx(5 / TABLE.target(8))
+    assert p.choose(suffix_ready=True) == SUFFIX_ONLY
+    assert p.choose(suffix_ready=False) == TREE                    # no match: not offered
+    for _ in range(3):
+        feed(p, SUFFIX_ONLY, accepted=0, proposed=7, levels=0)     # mean 2 tokens / 13 ms: still best
+    assert p.choose(suffix_ready=True) == SUFFIX_ONLY
+    for _ in range(5):
+        feed(p, SUFFIX_ONLY, accepted=0, proposed=7, levels=0)     # mean 13/9 / 13 ms < 2 / 17.4
+    assert p.choose(suffix_ready=True) == TREE
+    assert p.summary()["chosen"] == {"tree4x5n8": 1, "suffix": 9}
+    assert name_of(SUFFIX_ONLY) == "suffix"
+
+
+def test_suffix_only_blocks_fit_the_caches_the_shapes_size():
+    assert AdaptivePolicy((TREE,), TABLE, suffix_only_tokens=0).arms(suffix_ready=True) == [TREE, PLAIN]
+    with pytest.raises(InputError, match="suffix_only_tokens"):
+        AdaptivePolicy((CHAIN,), TABLE, suffix_only_tokens=8)      # 9 rows; chain3 verifies 4

@@ -311,6 +311,34 @@ def test_health_reports_degraded_and_warns(target, caplog):
         assert http.get("/health").json()["status"] == "ok"
 
 
+def test_metrics_and_stats_count_suffix_accepts_and_steps_by_arm(target):
+    """Accepted tokens by source (suffix-only nodes) and decode steps by the adaptive choice, in
+    /metrics and in the response's stats, from the same steps."""
+    engine = GroupedEngine(target, tokenizer(), max_model_len=CTX)
+    engine.arms = ("tree4x5n8", "suffix", "tree4x5n8", "plain")   # labels in turn, as a policy's
+
+    def scrape(http) -> dict[tuple, float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(http.get("/metrics").text) for s in fam.samples}
+
+    with TestClient(create_app(engine, model_name=MODEL)) as http:
+        before = scrape(http)
+        r = http.post("/v1/chat/completions", json={**GOOD, "max_tokens": 12, "temperature": 0})
+        after = scrape(http)
+    stats = r.json()["eagle3"]
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert set(stats["arms"]) == set(engine.arms) and sum(stats["arms"].values()) == stats["decode_steps"]
+    for arm, steps in stats["arms"].items():
+        assert delta("eagle3:spec_decode_steps_total", arm=arm) == steps
+    suffix = delta("eagle3:spec_decode_num_accepted_suffix_tokens_total")
+    assert suffix == stats["draft_tokens_accepted_suffix"] > 0
+    assert delta("eagle3:spec_decode_num_accepted_tokens_total") == stats["draft_tokens_accepted"] > suffix
+
+
 # ---------------------------------------------------------------------------- load
 PROMPTS = [f"Question {i}: tell me something about the number {i * 7}." for i in range(32)]
 

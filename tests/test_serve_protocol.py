@@ -110,6 +110,19 @@ def test_metrics_from_steps():
     assert "eagle3:spec_decode_acceptance_length_sum 4.0" in text
 
 
+def test_metrics_count_suffix_accepts_and_steps_by_arm():
+    m = ServerMetrics(max_depth=3)
+    m.observe_steps([Step([5, 6, 7], 2, proposed=4, accepted_suffix=1, arm="tree4x5n8s8"),
+                     Step([8, 9], 1, proposed=3, accepted_suffix=1, arm="suffix"),
+                     Step([1], 0, arm="plain"), Step([2], 0, arm="plain")])
+    text = m.render().decode()
+    assert "eagle3:spec_decode_num_accepted_suffix_tokens_total 2.0" in text
+    assert "eagle3:spec_decode_num_accepted_tokens_total 3.0" in text
+    assert 'eagle3:spec_decode_steps_total{arm="plain"} 2.0' in text
+    assert 'eagle3:spec_decode_steps_total{arm="suffix"} 1.0' in text
+    assert 'eagle3:spec_decode_steps_total{arm="tree4x5n8s8"} 1.0' in text
+
+
 # ---------------------------------------------------------------------------- the queue
 class CountingEngine:
     """Yields one chunk per 10 ms up to `n`; records how many it produced."""

@@ -13,6 +13,8 @@
 | eagle3:spec_decode_num_drafts_total | counter | decode steps that verified a draft |
 | eagle3:spec_decode_num_draft_tokens_total | counter | draft tokens proposed (verified by the target) |
 | eagle3:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted |
+| eagle3:spec_decode_num_accepted_suffix_tokens_total | counter | of those, suffix-only nodes |
+| eagle3:spec_decode_steps_total{arm} | counter | decode steps by adaptive choice (policy.name_of) |
 | eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
 | eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
 | eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
@@ -63,6 +65,11 @@ class ServerMetrics:
                                     "Draft tokens proposed to the target", registry=r)
         self.accepted_tokens = Counter("eagle3:spec_decode_num_accepted_tokens",
                                        "Draft tokens accepted by the target", registry=r)
+        self.accepted_suffix = Counter("eagle3:spec_decode_num_accepted_suffix_tokens",
+                                       "Accepted draft tokens that only the suffix index proposed",
+                                       registry=r)
+        self.steps_by_arm = Counter("eagle3:spec_decode_steps",
+                                    "Decode steps by the adaptive step's choice", ["arm"], registry=r)
         self.accepted_per_pos = Counter("eagle3:spec_decode_num_accepted_tokens_per_pos",
                                         "Steps whose accepted draft length reached this position",
                                         ["position"], registry=r)
@@ -85,11 +92,14 @@ class ServerMetrics:
     def observe_steps(self, decode_steps: Sequence[Step]) -> None:
         """Speculation counters from decode steps (prefill excluded), finished or cancelled."""
         for s in decode_steps:                 # per step, so the engine thread does O(accepted) work
+            if s.arm:
+                self.steps_by_arm.labels(arm=s.arm).inc()
             if s.proposed <= 0:
                 continue
             self.num_drafts.inc()
             self.draft_tokens.inc(s.proposed)
             self.accepted_tokens.inc(s.accepted)
+            self.accepted_suffix.inc(s.accepted_suffix)
             self.accept_len.observe(s.accepted + 1)
             for k in range(1, s.accepted + 1):  # acceptance_stats' per-position rule, as counters
                 self.accepted_per_pos.labels(position=str(k)).inc()

@@ -118,6 +118,8 @@ class Generation:
                 "drafted_tokens": self.from_draft,          # emitted tokens that were draft proposals
                 "draft_tokens_proposed": sum(s.proposed for s in steps),
                 "draft_tokens_accepted": sum(s.accepted for s in steps),
+                "draft_tokens_accepted_suffix": sum(s.accepted_suffix for s in steps),  # suffix-only
+                "arms": result.arms,                        # decode steps by adaptive choice
                 "acceptance_per_position": [round(a, 4) for a in
                                             result.acceptance_per_position(self.server.depth)],
                 "tokens_per_s": round(result.tokens_per_s, 2), "ttft_s": round(result.ttft_s, 4),

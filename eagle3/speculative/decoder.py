@@ -13,6 +13,11 @@ With a policy (policy.AdaptivePolicy) each step takes the shape the policy choos
 step: one target forward of the root, the token drawn as plain decoding draws it. A plain step
 runs no draft forward: its (feature, next id) row waits in `pending` and the draft catches up over
 all waiting rows in one forward before the next drafted tree (draft length = target length again).
+A suffix-only step (policy.SUFFIX_ONLY, chosen only at a step where the suffix index has a match)
+verifies the root and the index's continuations alone (up to policy.suffix_only_tokens nodes) and
+runs no draft forward either: the (features, next ids) rows of its accepted nodes wait in `pending`
+like a plain step's, and its tree goes through the same verifiers as a hybrid tree (a suffix
+continuation is a point-mass proposal, fixed by the context; see verify.py).
 
 Cache bookkeeping (n = target cache length at the start of a step):
 
@@ -41,7 +46,7 @@ from ..models.layers import tree_block_mask
 from ..models.kv_cache import KVCache
 from ..draft.model import DraftBase
 from .merge import SUFFIX, merge_suffix
-from .policy import PLAIN, AdaptivePolicy, name_of
+from .policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from .suffix import SuffixCache, SuffixIndex
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
@@ -52,6 +57,12 @@ class DraftHead(NamedTuple):
     """The draft's output at its last cached row: proposes the first tree level."""
     logits: torch.Tensor   # [Vd]
     hidden: torch.Tensor   # [H] pre-norm, fed back as hidden= for the first level's children
+
+
+class Verified(NamedTuple):
+    """A verified tree block: the acceptance and the target features of the accepted nodes."""
+    acc: Acceptance
+    features: torch.Tensor   # [m+1, F] at the root and the accepted nodes, in path order
 
 
 class SpecDecoder:
@@ -65,6 +76,7 @@ class SpecDecoder:
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
         cfg = draft.config
         self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
+        self.suffix_only_tokens = policy.suffix_only_tokens if policy else 0
         for shape in self.shapes:
             if shape.top_k > cfg.draft_vocab_size:
                 raise InputError(f"spec top_k={shape.top_k} exceeds the draft vocabulary "
@@ -88,7 +100,7 @@ class SpecDecoder:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
-        slack = max(s.cache_slack for s in self.shapes)
+        slack = max(max(s.cache_slack for s in self.shapes), self.suffix_only_tokens + 2)
         self.pending = []
         for cache in (self.cache, self.draft_cache):
             cache.reset()
@@ -101,7 +113,7 @@ class SpecDecoder:
         t1 = time.perf_counter()
         self._extend(torch.cat([ids[1:], self.root]), self._features(out)[0], start=0)
         root = int(self.root)
-        if any(s.suffix_tokens for s in self.shapes):
+        if self.suffix_only_tokens or any(s.suffix_tokens for s in self.shapes):
             self.suffix = SuffixIndex(cache=self.suffix_cache)
             self.suffix.extend(list(prompt_ids) + [root])
         return Step([root], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
@@ -110,11 +122,14 @@ class SpecDecoder:
     def step(self) -> Step:
         if self.policy is None:
             return self.tree_step()
-        arm = self.policy.choose()
         t0 = time.perf_counter()
+        conts = self.suffix_only_candidates()
+        arm = self.policy.choose(suffix_ready=bool(conts))
         self.levels = 0
         if arm == PLAIN:
             step = self.plain_step()
+        elif arm == SUFFIX_ONLY:
+            step = self.suffix_step(conts)
         else:
             self.spec = arm
             step = self.tree_step()
@@ -134,21 +149,45 @@ class SpecDecoder:
             self.suffix.extend([token])
         return Step([token], 0, verify_s=time.perf_counter() - t0)
 
+    def suffix_only_candidates(self) -> list[list[int]]:
+        """The continuations a suffix-only step would verify now (empty: no match, or no such arm).
+        With several, the first (most frequent, longest match) is cut to leave the others a
+        quarter of the budget."""
+        budget = self.suffix_only_tokens
+        if self.suffix is None or not budget:
+            return []
+        conts = [c.tokens for c in self.suffix.propose(budget)]
+        if len(conts) > 1:
+            conts[0] = conts[0][:budget - budget // 4]
+        return conts
+
+    def suffix_step(self, conts: list[list[int]]) -> Step:
+        """The root and the suffix continuations, verified in one target forward; no draft forward
+        (the accepted nodes' rows wait in `pending` for the next drafted tree)."""
+        if not conts:
+            raise ContractError("suffix-only step", "no suffix continuation", "at least one",
+                                "choose SUFFIX_ONLY only with choose(suffix_ready=True)")
+        t0 = time.perf_counter()
+        start = self.cache.length
+        m = merge_suffix([int(self.root)], [-1], conts, self.suffix_only_tokens)
+        tree = build_tree(self._ids(m.tokens), self._ids(m.parents), start, m.depth, m.sources)
+        acc, features = self._verify(tree, start)
+        self.root = self._ids(acc.tokens[-1:])
+        self.pending.append((self._ids(acc.tokens), features))
+        self.suffix.extend(acc.tokens)
+        return Step(acc.tokens, acc.accept_len, verify_s=time.perf_counter() - t0,
+                    proposed=tree.size - 1, accepted_suffix=acc.accept_len)
+
     def tree_step(self) -> Step:
         t0 = time.perf_counter()
         self._catch_up()
         tree = self.draft_tree()
         t1 = self._clock()
         start = self.cache.length
-        out = self.target(tree.tokens[None], tree.positions, self.cache,
-                          attn_mask=tree_block_mask(start, tree.mask), capture_ids=self.capture_ids)
-        acc = self.accept(out.logits[0], tree)
-        kept = torch.tensor(acc.nodes, device=self.device)
-        self.cache.keep(start, kept)
+        acc, features = self._verify(tree, start)
         t2 = time.perf_counter()
-        self.root = torch.tensor(acc.tokens[-1:], device=self.device)
-        emitted = torch.tensor(acc.tokens, device=self.device)
-        self._extend(emitted, self._features(out)[0, kept], start)
+        self.root = self._ids(acc.tokens[-1:])
+        self._extend(self._ids(acc.tokens), features, start)
         if self.suffix is not None:
             self.suffix.extend(acc.tokens)
         t3 = time.perf_counter()
@@ -162,6 +201,19 @@ class SpecDecoder:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _verify(self, tree: Tree, start: int) -> Verified:
+        """One target forward over the tree block at cache row `start`; the accepted path is
+        compacted to start.. in the cache."""
+        out = self.target(tree.tokens[None], tree.positions, self.cache,
+                          attn_mask=tree_block_mask(start, tree.mask), capture_ids=self.capture_ids)
+        acc = self.accept(out.logits[0], tree)
+        kept = self._ids(acc.nodes)
+        self.cache.keep(start, kept)
+        return Verified(acc, self._features(out)[0, kept])
 
     def accept(self, logits: torch.Tensor, tree: Tree) -> Acceptance:
         # logits [T, V] at the tree nodes
@@ -240,8 +292,7 @@ class SpecDecoder:
         spec = self.spec
         conts = [c.tokens for c in self.suffix.propose(spec.depth + spec.suffix_tokens)]
         m = merge_suffix(tokens.tolist(), parents.tolist(), conts, spec.suffix_tokens)
-        as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
-        return build_tree(as_tensor(m.tokens), as_tensor(m.parents), prefix_len,
+        return build_tree(self._ids(m.tokens), self._ids(m.parents), prefix_len,
                           max(spec.depth, m.depth), m.sources)
 
     def _features(self, out) -> torch.Tensor:

@@ -1,36 +1,54 @@
 """The adaptive step: which tree shape to draft next, or plain decoding, from measured costs and the
 rolling acceptance of each choice.
 
-Arms are named choices: PLAIN (one target row, no draft forward) and SpecParams shapes. For each
-shape the policy keeps exponential averages (weight `memory` on the past) of what its steps did:
+Arms are named choices: PLAIN (one target row, no draft forward), SpecParams shapes, and
+SUFFIX_ONLY: the suffix index's continuations alone as the verify block (up to suffix_only_tokens
+nodes under the root, no draft forward; offered only at a step where the index has a match). For
+each arm the policy keeps rolling averages of what its steps did (`Rolling`: the plain mean of the
+first ~1/(1 - memory) steps, then exponential with weight `memory` on the past):
 
     tokens   emitted tokens per step (accepted draft tokens + 1)
     rows     target rows verified per step (the tree's size; dynamic under min_prob)
     levels   draft forwards per step (tree levels run, plus the extend over the accepted tokens)
+    ratio    wall time / the table's cost of that step (below)
 
 and predicts a step's cost from the machine's cost table (runtime.costs: target ms by rows, draft ms
-by rows), not from the step's own wall time, which is noisy on a shared CPU:
+by rows), scaled by the arm's ratio, so a table gone stale (other load on the machine, the thread
+governor down to one thread) is corrected per arm after a few steps while one noisy step is not:
 
-    cost(shape) = target_ms(rows) + levels * draft_ms(top_k) + overhead_ms
-    cost(PLAIN) = target_ms(1)                       (tokens = 1 exactly: nothing to learn)
-    rate(arm)   = tokens(arm) / cost(arm)
+    table(shape) = target_ms(rows) + levels * draft_ms(top_k) + overhead_ms
+    table(SUFFIX_ONLY) = target_ms(rows) + overhead_ms
+    table(PLAIN) = target_ms(1)                      (tokens = 1 exactly)
+    cost(arm)    = table(arm) * ratio(arm)           (ratio 1 before the arm's first step)
+    rate(arm)    = tokens(arm) / cost(arm)
 
-`choose` returns the arm of the highest rate. A shape not tried yet goes first (in the given order);
-every `probe_every` steps the shape chosen least recently is taken instead, so a stretch where the
-draft starts to pay again (or a better shape) is found after a fallback. overhead_ms (tree building,
-verification, bookkeeping) is measured: the average of wall time minus predicted forwards over the
-speculative steps seen. Choosing never changes what is emitted: every arm is lossless.
+overhead_ms (tree building, verification, bookkeeping) is the rolling wall time past the predicted
+forwards of the drafting steps, shared by the shapes; it is updated before the step's ratio is
+taken, so the two do not count the same milliseconds twice. `correct_costs=False` trusts the table
+as it is (the ratios are still kept).
+
+`choose` returns the arm of the highest rate. An arm not tried yet goes first (the shapes in the
+given order, then SUFFIX_ONLY). A probe takes the arm chosen least recently other than the best, so
+a stretch where the draft starts to pay again (or a better shape, or plain decoding gone cheap) is
+found after a fallback. The first probe comes at step probe_every - 1; each probe doubles the
+interval to the next (up to max_probe_every), and the interval restarts at probe_every when the
+leading arm among the shapes and plain changes (a probe that changed the choice, or the averages
+moving). So a stable choice spends few steps on probes: at T=1, where plain wins most steps, a
+probe every 16 steps was a speculative step that did not pay.
+Choosing never changes what is emitted: every arm is lossless.
 """
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
+from ..errors import InputError
 from .step import Step
 from .tree import SpecParams
 
 PLAIN = "plain"
+SUFFIX_ONLY = "suffix"
 Arm = Union[str, SpecParams]
 
 # the adaptive step's default choices (with PLAIN): the default tree, the same with up to 8 suffix
@@ -40,12 +58,32 @@ DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8
 
 
 @dataclass
+class Rolling:
+    """A rolling mean: the plain mean of the first ~1/(1 - memory) values, then an exponential
+    average with weight `memory` on the past. So the first value is not blended with a zero prior,
+    and one lucky or unlucky early step weighs 1/n, like every other, instead of ~memory."""
+    memory: float
+    value: float = 0.0
+    count: int = 0
+
+    def add(self, x: float) -> None:
+        self.count += 1
+        self.value += (x - self.value) * max(1.0 / self.count, 1.0 - self.memory)
+
+
+@dataclass
 class ArmStats:
-    tokens: float = 0.0
-    rows: float = 0.0
-    levels: float = 0.0
+    memory: float
     steps: int = 0
     last_step: int = -1
+
+    def __post_init__(self):
+        self.tokens, self.rows, self.levels, self.ratio = (Rolling(self.memory) for _ in range(4))
+
+    @property
+    def correction(self) -> float:
+        """Observed wall time / the table's prediction (1.0 before the first step)."""
+        return self.ratio.value if self.ratio.count else 1.0
 
 
 @dataclass
@@ -53,74 +91,124 @@ class AdaptivePolicy:
     shapes: tuple[SpecParams, ...]
     costs: object                              # runtime.costs.CostTable
     memory: float = 0.9
-    probe_every: int = 16
+    probe_every: int = 16                      # 0: never probe
+    max_probe_every: int = 128
     allow_plain: bool = True
-    stats: dict = field(default_factory=dict)  # SpecParams -> ArmStats
+    correct_costs: bool = True                 # False: cost = the table's, uncorrected
+    suffix_only_tokens: Optional[int] = None   # None: the largest shape's verify block - 1; 0: no arm
+    stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
-    overhead_ms: float = 0.0
     steps: int = 0
 
     def __post_init__(self):
         if not self.shapes:
-            raise ValueError("AdaptivePolicy needs at least one tree shape")
-        self.stats = {s: ArmStats() for s in self.shapes}
+            raise InputError("AdaptivePolicy needs at least one tree shape; pass shapes=DEFAULT_SHAPES")
+        if not 0.0 <= self.memory < 1.0:
+            raise InputError(f"AdaptivePolicy memory must be in [0, 1), got {self.memory}")
+        if self.probe_every and self.max_probe_every < self.probe_every:
+            raise InputError(f"AdaptivePolicy max_probe_every ({self.max_probe_every}) is below "
+                             f"probe_every ({self.probe_every}); raise max_probe_every")
+        self.suffix_only_tokens = self._suffix_budget(self.suffix_only_tokens)
+        self.stats = {arm: ArmStats(self.memory) for arm in (*self.shapes, PLAIN, SUFFIX_ONLY)}
+        self.overhead = Rolling(self.memory)
+        self.interval = self.probe_every       # steps from the last probe to the next one
+        self.next_probe = self.probe_every - 1
+        self.leader: Optional[Arm] = None      # the best of the shapes and plain at the last choice
+
+    def _suffix_budget(self, tokens: Optional[int]) -> int:
+        """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder)."""
+        most = max(s.max_tree_size for s in self.shapes) - 1
+        if tokens is None:
+            return most
+        if not 0 <= tokens <= most:
+            raise InputError(f"AdaptivePolicy suffix_only_tokens={tokens} does not fit the largest "
+                             f"verify block of the shapes ({most} nodes after the root); use 0..{most}")
+        return tokens
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.overhead.value
 
     # ------------------------------------------------------------------ choice
-    def choose(self) -> Arm:
-        untried = [s for s in self.shapes if self.stats[s].steps == 0]
+    def arms(self, suffix_ready: bool = False) -> list[Arm]:
+        """The arms offered at a step; suffix_ready: the suffix index has a match at this step."""
+        suffix = [SUFFIX_ONLY] if suffix_ready and self.suffix_only_tokens else []
+        return list(self.shapes) + suffix + ([PLAIN] if self.allow_plain else [])
+
+    def choose(self, suffix_ready: bool = False) -> Arm:
+        arms = self.arms(suffix_ready)
+        untried = [a for a in arms if a != PLAIN and self.stats[a].steps == 0]
         if untried:
             return untried[0]
-        if self.probe_every and self.steps % self.probe_every == self.probe_every - 1:
-            return min(self.shapes, key=lambda s: self.stats[s].last_step)
-        arms: list[Arm] = list(self.shapes) + ([PLAIN] if self.allow_plain else [])
-        return max(arms, key=self.rate)
+        best = max(arms, key=self.rate)
+        self._follow(max(self.arms(), key=self.rate))
+        others = [a for a in arms if a != best]
+        if self.probe_every and self.steps >= self.next_probe and others:
+            self.interval = min(2 * self.interval, self.max_probe_every)
+            self.next_probe = self.steps + self.interval
+            return min(others, key=lambda a: self.stats[a].last_step)
+        return best
+
+    def _follow(self, best: Arm) -> None:
+        """Probe at the base interval again when the leading arm changed. The leader is taken
+        among the arms offered at every step: SUFFIX_ONLY comes and goes with the matches."""
+        if best != self.leader:
+            self.leader, self.interval = best, self.probe_every
+            self.next_probe = min(self.next_probe, self.steps + self.probe_every)
 
     def rate(self, arm: Arm) -> float:
         """Predicted tokens per ms of `arm`."""
-        if arm == PLAIN:
-            return 1.0 / self.costs.target(1)
-        s = self.stats[arm]
-        return s.tokens / self.cost_ms(arm)
+        tokens = 1.0 if arm == PLAIN else self.stats[arm].tokens.value
+        return tokens / self.cost_ms(arm)
 
     def cost_ms(self, arm: Arm) -> float:
+        """Predicted ms of a step of `arm`: the table's, times the arm's observed correction."""
+        s = self.stats[arm]
+        correction = s.correction if self.correct_costs else 1.0
+        return self.table_ms(arm, s.rows.value, s.levels.value) * correction
+
+    def table_ms(self, arm: Arm, rows: float, levels: float) -> float:
+        """The cost table's ms of a step of `arm` verifying `rows` rows after `levels` draft forwards."""
         if arm == PLAIN:
             return self.costs.target(1)
-        s = self.stats[arm]
-        return self.costs.target(s.rows) + s.levels * self.costs.draft(arm.top_k) + self.overhead_ms
+        return self._forwards_ms(arm, rows, levels) + self.overhead_ms
+
+    def _forwards_ms(self, arm: Arm, rows: float, levels: float) -> float:
+        draft = levels * self.costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
+        return self.costs.target(rows) + draft
 
     # ------------------------------------------------------------------ feedback
     def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float) -> None:
         """One step taken with `arm`: its Step, the draft forwards it ran, its wall time."""
+        if wall_ms <= 0:
+            raise InputError(f"AdaptivePolicy.observe wall_ms must be > 0, got {wall_ms}; pass the "
+                             f"step's measured wall time in ms")
         self.chosen[name_of(arm)] += 1
         self.steps += 1
-        if arm == PLAIN:
-            return
         s = self.stats[arm]
         rows = step.proposed + 1
-        if s.steps == 0:
-            s.tokens, s.rows, s.levels = float(len(step.tokens)), float(rows), float(levels)
-        else:
-            m = self.memory
-            s.tokens = m * s.tokens + (1 - m) * len(step.tokens)
-            s.rows = m * s.rows + (1 - m) * rows
-            s.levels = m * s.levels + (1 - m) * levels
+        s.tokens.add(len(step.tokens))
+        s.rows.add(rows)
+        s.levels.add(levels)
         s.steps += 1
         s.last_step = self.steps
-        predicted = self.costs.target(rows) + levels * self.costs.draft(arm.top_k)
-        n = sum(st.steps for st in self.stats.values())
-        self.overhead_ms += (max(wall_ms - predicted, 0.0) - self.overhead_ms) / n
+        if isinstance(arm, SpecParams):                    # the drafting steps' bookkeeping
+            self.overhead.add(max(wall_ms - self._forwards_ms(arm, rows, levels), 0.0))
+        s.ratio.add(wall_ms / self.table_ms(arm, rows, levels))
 
     def summary(self) -> dict:
-        """How the choices spread (arm name -> steps) and each shape's averages."""
+        """How the choices spread (arm name -> steps), each arm's averages and cost correction."""
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
-                "shapes": {name_of(s): {"tokens": round(st.tokens, 3), "rows": round(st.rows, 2),
-                                      "levels": round(st.levels, 2), "steps": st.steps}
-                           for s, st in self.stats.items()}}
+                "probe_every": self.interval,
+                "arms": {name_of(a): {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
+                                      "levels": round(st.levels.value, 2),
+                                      "correction": round(st.correction, 3), "steps": st.steps}
+                         for a, st in self.stats.items() if st.steps}}
 
 
 def name_of(arm: Arm) -> str:
-    if arm == PLAIN:
-        return PLAIN
+    if arm in (PLAIN, SUFFIX_ONLY):
+        return arm
     s: SpecParams = arm
     base = f"chain{s.depth}" if s.is_chain else f"tree{s.top_k}x{s.depth}n{s.num_draft_tokens}"
     return base + (f"p{s.min_prob:g}" if s.min_prob else "") + (f"s{s.suffix_tokens}" if s.suffix_tokens else "")

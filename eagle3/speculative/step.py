@@ -22,7 +22,8 @@ class Step(NamedTuple):
     verify_s: float = 0.0    # time spent in the target forward (prefill/decode/verify)
     proposed: int = 0        # draft tokens the target checked this step (tree size - 1)
     accepted_suffix: int = 0  # of `accepted`, tokens only the suffix source proposed (merge.SUFFIX)
-    arm: str = ""            # the adaptive step's choice (policy.name_of: a tree shape, or "plain")
+    arm: str = ""            # the adaptive step's choice (policy.name_of: a tree shape, "suffix"
+                             # for a suffix-only step, or "plain")
 
 
 class AcceptanceStats(NamedTuple):
