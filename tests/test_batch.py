@@ -157,3 +157,120 @@ def test_row_kernels_name_an_index_outside_the_cache():
     with pytest.raises(RuntimeError, match=r"slot_of_row\[0\] = 3 outside \[0, 2\]"):
         built.rope_qkv(torch.randn(2, 8 * 64), torch.ones(1, 1, 2, 64), torch.zeros(1, 1, 2, 64),
                        k, k.clone(), 0, 4, 2, torch.tensor([3, 0]), torch.tensor([0, 1]))
+
+
+# ---------------------------------------------------------------------------- the scheduler
+CTX = 160
+
+
+@pytest.fixture(scope="module")
+def served_target():
+    """The tiny served target (real tokenizer's vocabulary) in the row-stable bf16 layout."""
+    from serve_fixtures import tiny_target as served
+    return build_target(served(), torch.bfloat16, row_stable=True)
+
+
+@pytest.fixture(scope="module")
+def alone(served_target):
+    from eagle3.generate import Engine
+    from serve_fixtures import tokenizer
+    return Engine(served_target, tokenizer(), max_model_len=CTX)
+
+
+def scheduler(engine, **kw):
+    from eagle3.generate.batch import BatchScheduler
+    return BatchScheduler.from_engine(engine, **kw)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def drain(sched, steps_before: int = 10_000, on_step=None) -> dict:
+    """Step until idle; {request id: [chunks]} (on_step(step number, emitted) may intervene)."""
+    chunks: dict = {}
+    for n in range(steps_before):
+        if not sched.has_work:
+            break
+        assert len(sched.running) <= sched.max_batch
+        emitted = sched.step()
+        for e in emitted:
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+        if on_step is not None:
+            on_step(n, emitted)
+    return chunks
+
+
+def check_equals_alone(alone, req, chunks) -> None:
+    want = alone.generate(prompt_ids=req.prompt_ids, params=req.params)
+    result = chunks[-1].result
+    assert result is not None and chunks[-1].finish_reason == want.finish_reason
+    assert result.token_ids == want.token_ids and [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert result.text == want.text and "".join(c.text for c in chunks) == want.text
+
+
+def test_each_request_in_a_batch_equals_its_output_alone(alone, one_thread):
+    """Mixed prompt lengths (one chunked), greedy and seeded sampling, stop strings and max
+    tokens; more requests than slots, so requests join as others finish."""
+    from eagle3.generate import SamplingParams
+    stop_text = alone.generate(prompt_ids=prompt(7, 5), params=SamplingParams(max_new_tokens=12)).text
+    params = [SamplingParams(max_new_tokens=9),
+              SamplingParams(temperature=1.0, seed=7, max_new_tokens=14),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3, max_new_tokens=6),
+              SamplingParams(max_new_tokens=12, stop=(stop_text[4:7],)),
+              SamplingParams(temperature=1.0, seed=11, max_new_tokens=11, ignore_eos=True)]
+    lengths = [3, 40, 12, 7, 1]
+    sched = scheduler(alone, max_batch=3, prefill_chunk=16)
+    reqs = [sched.add(prompt(n, seed=i if i != 3 else 5), p) for i, (n, p) in enumerate(zip(lengths, params))]
+    chunks = drain(sched)
+    assert sched.cache.num_free == 3
+    for req in reqs:
+        check_equals_alone(alone, req, chunks[req.id])
+    assert chunks[reqs[3].id][-1].finish_reason == "stop"
+
+
+def test_cancel_mid_batch_frees_the_slot_at_once(alone, one_thread):
+    from eagle3.generate import SamplingParams
+    sched = scheduler(alone, max_batch=2)
+    a, b, c = (sched.add(prompt(5, seed=i), SamplingParams(max_new_tokens=8)) for i in range(3))
+
+    def cancel_b(n, emitted):
+        if n == 2:
+            assert b.slot is not None and sched.cache.num_free == 0 and c in sched.waiting
+            sched.cancel(b)
+            assert b.slot is None and sched.cache.num_free == 1 and b not in sched.running
+
+    chunks = drain(sched, on_step=cancel_b)
+    assert len(chunks[b.id]) == 3 and chunks[b.id][-1].result is None and b.finish == "cancelled"
+    for req in (a, c):
+        check_equals_alone(alone, req, chunks[req.id])
+    assert sched.cache.num_free == 2
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(alone, one_thread):
+    """Two requests decoding; a 70-token prompt joins: over its 5 prefill steps (16 tokens each)
+    both decoders still get a token every step; its first token comes with the last chunk."""
+    from eagle3.generate import SamplingParams
+    sched = scheduler(alone, max_batch=3, prefill_chunk=16)
+    a, b = (sched.add(prompt(4, seed=i), SamplingParams(max_new_tokens=30, ignore_eos=True))
+            for i in range(2))
+    chunks: dict = {}
+
+    def step() -> set:
+        emitted = sched.step()
+        for e in emitted:
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+        return {e.request.id for e in emitted}
+
+    step()                                        # both prompts in one forward
+    long = sched.add(prompt(70, seed=9), SamplingParams(max_new_tokens=5))
+    fed = []
+    for _ in range(4):
+        assert step() == {a.id, b.id}             # the decoders' tokens keep coming
+        fed.append(long.fed)
+    assert fed == [16, 32, 48, 64]
+    assert step() == {a.id, b.id, long.id} and long.fed == 70
+    while sched.has_work:
+        step()
+    for req in (a, b, long):
+        check_equals_alone(alone, req, chunks[req.id])
