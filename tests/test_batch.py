@@ -2,6 +2,8 @@
 sequences (each equal to its sequence run alone), the scheduler and the batched server path."""
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -274,3 +276,140 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(alone, one_thr
         step()
     for req in (a, b, long):
         check_equals_alone(alone, req, chunks[req.id])
+
+
+# ---------------------------------------------------------------------------- the server
+class SlowTarget:
+    """A target whose batched forward sleeps first (requests stay in the batch long enough)."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def forward_rows(self, *args):
+        time.sleep(self.delay_s)
+        return self.inner.forward_rows(*args)
+
+
+def batched_app(target, max_batch: int, max_queue: int = 64, delay_s: float = 0.0):
+    from eagle3.generate import Engine
+    from eagle3.serve import create_app
+    from serve_fixtures import tokenizer
+    served = SlowTarget(target, delay_s) if delay_s else target
+    return create_app(Engine(served, tokenizer(), max_model_len=CTX), model_name="tiny",
+                      max_queue=max_queue, max_batch=max_batch)
+
+
+def gauges(url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if not s.labels}
+
+
+def test_served_concurrent_requests_each_get_their_own_output(served_target, alone):
+    """Six concurrent requests (chat and completions, streamed and not, greedy and seeded) on
+    --max-batch 3: each answer equals the engine's output alone, and requests shared steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from eagle3.generate import SamplingParams
+    from eagle3.serve.queue import BatchWorker
+    from serve_fixtures import RunningServer
+    cases = [(f"Question {i}: say something about {i * 7}." + " more" * (i * 9), i % 2 == 0,
+              SamplingParams(temperature=0.0 if i % 3 else 0.9, seed=i, max_new_tokens=10 + 3 * i))
+             for i in range(6)]
+    refs = [alone.generate(messages=[{"role": "user", "content": text}], params=p).text
+            for text, _, p in cases]
+    app = batched_app(served_target, max_batch=3)
+    worker = app.state.server.worker
+    assert isinstance(worker, BatchWorker)
+    running_seen = []
+    step = worker.scheduler.step
+    worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
+
+    def ask(case) -> str:
+        text, stream, p = case
+        kw = dict(model="tiny", messages=[{"role": "user", "content": text}], stream=stream,
+                  max_tokens=p.max_new_tokens, temperature=p.temperature, seed=p.seed)
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw)
+                       if c.choices)
+
+    with RunningServer(app) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(ask, cases))
+        g = gauges(s.url)
+    assert answers == refs
+    assert max(running_seen) == 3                     # requests were decoded together
+    assert g["eagle3:num_requests_running"] == 0 and g["eagle3:num_requests_waiting"] == 0
+
+
+def test_served_batch_gauges_queue_full_and_cancel(served_target):
+    """max_batch 2, max_queue 1: two streams run, a third waits (the gauges say so), a fourth gets
+    503; closing a stream frees its slot and the waiting request is served."""
+    import httpx
+
+    from serve_fixtures import RunningServer
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    app = batched_app(served_target, max_batch=2, max_queue=1, delay_s=0.05)
+    with RunningServer(app) as s:
+        streams = []
+        for _ in range(2):
+            http = httpx.Client(timeout=30)
+            resp = http.send(http.build_request("POST", s.url + "/v1/chat/completions",
+                                                json={**body, "max_tokens": 120, "stream": True}),
+                             stream=True)
+            lines = resp.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data:"))
+            streams.append((http, resp, lines))
+        assert gauges(s.url)["eagle3:num_requests_running"] == 2
+        queued = {}
+        t = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+            s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60)))
+        t.start()
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_waiting"] == 1)
+        full = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+        assert int(full.headers["retry-after"]) >= 1
+        http, resp, _ = streams.pop(0)
+        t_close = time.perf_counter()
+        resp.close()
+        http.close()
+        t.join(timeout=30)                            # served while the other stream runs
+        assert time.perf_counter() - t_close < 3.0    # not after the 120 tokens (~6 s) it had left
+        assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 4
+        assert next(ln for ln in streams[0][2] if ln.startswith("data:"))   # still streaming
+        assert gauges(s.url)["eagle3:num_requests_running"] == 1
+        http, resp, _ = streams.pop()
+        resp.close()
+        http.close()
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_running"] == 0)
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_batching_is_refused_where_it_does_not_apply(served_target):
+    """A speculative engine, or a target without a batched forward, serves one sequence at a time
+    and its startup line says why."""
+    from eagle3.serve.app import batch_mode
+    from serve_fixtures import GroupedEngine, tiny_target, tokenizer
+    spec = GroupedEngine(served_target, tokenizer(), max_model_len=CTX)
+    assert batch_mode(spec, 8)[0] == 1 and "speculative decoding is not batched" in batch_mode(spec, 8)[1]
+    from eagle3.generate import Engine
+    reference = Engine(tiny_target(), tokenizer(), max_model_len=CTX)      # a reference LlamaModel
+    assert batch_mode(reference, 8)[0] == 1 and "no batched forward" in batch_mode(reference, 8)[1]
+    assert batch_mode(Engine(served_target, tokenizer(), max_model_len=CTX), 8)[0] == 8
