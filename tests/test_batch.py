@@ -2,6 +2,7 @@
 sequences (each equal to its sequence run alone), the scheduler and the batched server path."""
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -293,12 +294,13 @@ class SlowTarget:
         return self.inner.forward_rows(*args)
 
 
-def batched_app(target, max_batch: int, max_queue: int = 64, delay_s: float = 0.0):
+def batched_app(target, max_batch: int, max_queue: int = 64, delay_s: float = 0.0,
+                name: str = "tiny"):
     from eagle3.generate import Engine
     from eagle3.serve import create_app
     from serve_fixtures import tokenizer
     served = SlowTarget(target, delay_s) if delay_s else target
-    return create_app(Engine(served, tokenizer(), max_model_len=CTX), model_name="tiny",
+    return create_app(Engine(served, tokenizer(), max_model_len=CTX), model_name=name,
                       max_queue=max_queue, max_batch=max_batch)
 
 
@@ -413,3 +415,35 @@ def test_batching_is_refused_where_it_does_not_apply(served_target):
     reference = Engine(tiny_target(), tokenizer(), max_model_len=CTX)      # a reference LlamaModel
     assert batch_mode(reference, 8)[0] == 1 and "no batched forward" in batch_mode(reference, 8)[1]
     assert batch_mode(Engine(served_target, tokenizer(), max_model_len=CTX), 8)[0] == 8
+
+
+# ---------------------------------------------------------------------------- the serving bench
+def test_serving_bench_measures_streamed_requests(served_target):
+    """scripts/bench_serving.py's clients and statistics against the batched app in-process:
+    every request streams its tokens, the figures come from the timings (2 clients x 6 tokens)."""
+    import importlib.util
+    from pathlib import Path
+
+    from serve_fixtures import RunningServer
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = bench          # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    prompts = ["Name a colour.", "Count to three.", "Say hello."]
+    with RunningServer(batched_app(served_target, max_batch=2, name=bench.MODEL_NAME)) as s:
+        timings, wall = asyncio_run(bench.run_clients(s.url, prompts, 2, 6, 1.0))
+    assert [t.prompt for t in timings] == [0, 1, 2] and all(t.tokens == 6 for t in timings)
+    assert all(0 < t.ttft_s <= t.e2e_s <= wall for t in timings)
+    assert all(len(t.gaps_s) >= 1 for t in timings)
+    r = bench.summarize(timings, wall, 2, 2, 1.0)
+    assert r.tokens == 18 and r.tokens_per_s == round(18 / wall, 2) and r.requests == 3
+    base = bench.Result(**{**bench.asdict(r), "max_batch": 1, "tokens_per_s": r.tokens_per_s / 2})
+    assert bench.with_baseline([base, r])[1].vs_batch1 == 2.0
+    assert bench.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert bench.percentile([float(i) for i in range(1, 101)], 99) == 99.0
+
+
+def asyncio_run(coro):
+    import asyncio
+    return asyncio.run(coro)
