@@ -10,6 +10,7 @@ from .errors import InputError
 from .generate import Engine
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+WEIGHT_CHOICES = ("auto", "gguf", "fp32", "bf16")
 SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
 DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
 
@@ -49,26 +50,60 @@ def draft_weight_dtype(choice: str) -> torch.dtype:
     return WEIGHT_DTYPES[choice]
 
 
-def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "auto"):
+def resolve_weights(weights: str, source=None, native_cpu: bool = True) -> str:
+    """"auto" -> "gguf" for a GGUF target run natively on the CPU (the file's own codes: exact and
+    the fewest bytes a token), else "fp32"; other choices are checked and returned."""
+    if weights not in WEIGHT_CHOICES:
+        raise InputError(f"weights={weights!r}: choose one of {', '.join(WEIGHT_CHOICES)}")
+    is_gguf = source is not None and source.gguf is not None
+    if weights == "auto":
+        return "gguf" if is_gguf and native_cpu else "fp32"
+    if weights == "gguf" and not is_gguf:
+        raise InputError("weights=gguf runs a GGUF file's own quantized weights, but this target is "
+                         f"{getattr(source, 'name', 'not a GGUF file')}. Fix: give a .gguf target, or "
+                         "weights=fp32 / bf16")
+    if weights != "fp32" and not native_cpu:
+        raise InputError(f"weights={weights} needs the native model on the CPU")
+    return weights
+
+
+def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "auto", source=None):
     """The inference layouts (runtime.target / draft.inference) of a native target and a draft,
     built once from their weights, which are left as they are; (target, draft). Targets the layout
     does not cover (the generic HF adapter) are returned as they are. `weights`/`draft_weights` as
-    in load_engine."""
+    in load_engine; source: the target's runtime.loader.ModelSource (weights gguf/auto read it)."""
     from .draft.inference import build_draft_layout
     from .models.llama import LlamaModel
     from .runtime.target import build_target
-    if weights not in WEIGHT_DTYPES:
-        raise InputError(f"weights={weights!r}: choose one of {sorted(WEIGHT_DTYPES)}")
     native_cpu = isinstance(target, LlamaModel) and target.device.type == "cpu"
-    if weights != "fp32" and not native_cpu:
-        raise InputError(f"weights={weights} needs the native model on the CPU")
-    if isinstance(target, LlamaModel):
+    weights = resolve_weights(weights, source, native_cpu)
+    if weights == "gguf":
+        codes = gguf_codes(target, source)
+        # without the kernels the codes have nothing to run on: the fp32 layout is the same model
+        target = (build_target(target, torch.float32, row_stable=True, gguf=codes) if codes is not None
+                  else build_target(target, torch.float32))
+    elif isinstance(target, LlamaModel):
         # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
         target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
     if draft is not None:
         cpu = draft.device.type == "cpu"
         draft = build_draft_layout(draft, draft_weight_dtype(draft_weights) if cpu else torch.float32)
     return target, draft
+
+
+def gguf_codes(target, source):
+    """The GGUF's integer codes for the kernels (None where there are none), with one line on
+    what runs (runtime.quant)."""
+    import sys
+    from . import kernels
+    from .runtime.quant import load_gguf_codes
+    if kernels.quant_linear() is None:
+        print(f"eagle3: gguf weights dequantised to fp32, the same model (no quantized kernels here: "
+              f"{kernels.why()})", file=sys.stderr)
+        return None
+    codes = load_gguf_codes(source.gguf, source.hf_dir, target)
+    print(f"eagle3: {codes.describe()}, on the kernels", file=sys.stderr)
+    return codes
 
 
 def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
@@ -84,7 +119,7 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
                 device: Optional[str] = None, dtype: torch.dtype = torch.float32,
                 max_model_len: int = 2048, algorithm: Optional[str] = None,
-                pack: bool = True, weights: str = "fp32", draft_weights: str = "auto",
+                pack: bool = True, weights: str = "auto", draft_weights: str = "auto",
                 adaptive: bool = True) -> Engine:
     """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
     the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
@@ -115,8 +150,9 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
         check_pair(target.config, loaded.draft, algorithm, target, loaded.info)
         drafter = loaded.draft.requires_grad_(False)
     if pack:
-        target, drafter = build_layouts(target, drafter, weights, draft_weights)
-    elif weights != "fp32":
+        from .runtime.loader import resolve_model
+        target, drafter = build_layouts(target, drafter, weights, draft_weights, resolve_model(model))
+    elif weights not in ("fp32", "auto"):
         raise InputError(f"weights={weights!r} needs the inference layout (pack=True)")
     policy = None
     if drafter is not None and spec is None and adaptive:

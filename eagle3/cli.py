@@ -66,6 +66,11 @@ def info_cmd(args: argparse.Namespace) -> int:
     from .kernels import why
     from .threads import describe
     rows.append(("CPU small-M linear kernels", why()))
+    if src.gguf is not None:
+        from .runtime.quant import tensor_types
+        kernels_on = why().startswith("avx512")
+        rows.append(("--weights gguf (auto) linears" + ("" if kernels_on else ": all dequantised here"),
+                     tensor_types(src.gguf, cfg.tie_word_embeddings)))
     rows.append(("CPU threads", describe()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:

@@ -30,10 +30,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """--weights / --draft-weights (generate, serve, bench)."""
-    p.add_argument("--weights", choices=["fp32", "bf16"], default="fp32",
-                   help="target GEMM weights on CPU: fp32 (matches HF transformers, default) or "
-                        "bf16 (faster with AVX512-BF16; a different model numerically, but verify "
-                        "and decode stay bit-identical, so speculation stays lossless)")
+    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"], default="auto",
+                   help="target weights on CPU: gguf (a GGUF target's own quantized codes on the "
+                        "kernels: the file's exact model in the fewest bytes), fp32 (the dequantised "
+                        "weights; matches HF transformers), bf16 (a different model numerically; "
+                        "verify and decode stay bit-identical, so speculation stays lossless); auto "
+                        "(default): gguf for a GGUF target, else fp32")
     p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
                    help="draft GEMM weights on CPU (auto: bf16 where oneDNN supports it); the draft "
                         "only proposes, so the output is the same either way")

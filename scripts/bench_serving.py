@@ -1,6 +1,6 @@
 """Serving throughput and latency of `eagle3 serve` under concurrent streaming clients (issue #18).
 
-    python scripts/bench_serving.py [--model M] [--weights fp32|bf16] [--max-batch 1,8]
+    python scripts/bench_serving.py [--model M] [--weights bf16|fp32|gguf|auto] [--max-batch 1,8]
         [--clients 1,4,16] [--tokens 128] [--temperatures 0,1] [--prompts 32] [--out DIR]
         [--url http://host:port]
 
@@ -234,7 +234,8 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="target (default: the packaged SmolLM2-135M)")
-    p.add_argument("--weights", choices=["fp32", "bf16"], default="bf16")
+    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"], default="bf16",
+                   help="the server's --weights (default bf16)")
     p.add_argument("--max-batch", type=int_list, default=[1, 8],
                    help="server --max-batch values, one server each (default 1,8: 1 is the baseline)")
     p.add_argument("--clients", type=int_list, default=[1, 4, 16])

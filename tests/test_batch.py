@@ -447,3 +447,18 @@ def test_serving_bench_measures_streamed_requests(served_target):
 def asyncio_run(coro):
     import asyncio
     return asyncio.run(coro)
+
+
+@pytest.mark.lossless
+def test_batched_rows_equal_alone_on_gguf_codes(one_thread):
+    """A target running GGUF integer codes (--weights gguf, row-stable) batches bit for bit too."""
+    import copy
+
+    from eagle3 import kernels
+    if kernels.quant_linear() is None:
+        pytest.skip(f"no quantized kernels: {kernels.why()}")
+    from test_quant import gguf_tiny_target
+    model, codes = gguf_tiny_target("Q4_1")
+    target = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes)
+    assert all(l.quant_types for l in target.linears)
+    check_batched_equals_alone(target, bit_for_bit=True)

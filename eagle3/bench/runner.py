@@ -42,7 +42,7 @@ class BenchConfig:
     ignore_eos: bool = False
     max_model_len: int = 2048
     clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
-    weights: str = "fp32"                          # our target's GEMM weights: fp32 | bf16 (CPU)
+    weights: str = "auto"                          # our target's weights: auto | gguf | fp32 | bf16 (CPU)
     draft_weights: str = "auto"                    # the draft's: auto (bf16 where supported) | bf16 | fp32
     workload: str = "mtbench"                      # a key of workload.WORKLOADS
 
@@ -182,7 +182,9 @@ def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]):
     shapes; (shapes, the target's layout)."""
     from ..api import build_layouts
     before = rss_bytes()
-    target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights)
+    from ..runtime.loader import resolve_model
+    target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights,
+                                  resolve_model(cfg.model))
     shapes = spec_shapes(cfg) if engine.speculative else {}
     policy = None
     if draft is not None and wanted(cfg, ADAPTIVE):

@@ -108,6 +108,12 @@ def small_linear(dtype: torch.dtype) -> Optional[Callable]:
     return st.module.linear_fp32
 
 
+def quant_linear() -> Optional[Callable]:
+    """linear_quant(x fp32 [M, I], pack_quant(...), bias, out_features), or None here."""
+    st = state()
+    return None if st.module is None else st.module.linear_quant
+
+
 def fused_ops() -> Optional[tuple[Callable, Callable]]:
     """(rms_norm(x, w, eps), attention(q, k, v, mask)): row-stable fp32 ops, or None here."""
     st = state()
@@ -140,3 +146,60 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             raise ValueError(f"bf16 small-M kernel needs an even input width, got {in_features}")
         return w.view(padded // BLOCK, BLOCK, in_features // 2, 2).permute(0, 2, 1, 3).contiguous()
     return w.view(padded // BLOCK, BLOCK, in_features).permute(0, 2, 1).contiguous()
+
+
+QUANT_MAGIC = 0x5451474745      # gemv.cpp kQuantMagic
+QUANT_LANES = 16                # outputs per record (gemv.cpp kQuantLanes)
+
+
+def pack_quant(parts: list) -> torch.Tensor:
+    """GGUF integer codes -> linear_quant's packed weight (the layout is documented in gemv.cpp).
+
+    parts: one per run of outputs, each (kind, block, codes [O, I], scales [O, I/block] fp32,
+    offsets [O, I/block] fp32 or None): kind 4 = codes 0..15 and w = scale * code + offset,
+    kind 8 = int8 codes and w = scale * code. Scales and offsets are stored in fp16 where that is
+    exact, else fp32."""
+    in_features = parts[0][2].shape[1]
+    header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts)]
+    blobs, offset = [], _align(8 * (4 + 6 * len(parts)))
+    for kind, block, codes, scales, offsets in parts:
+        if codes.shape[1] != in_features:
+            raise ValueError(f"fused parts differ in input width: {codes.shape[1]} vs {in_features}")
+        blob, scale_bytes, rec_bytes = _records(kind, block, codes, scales, offsets)
+        header += [kind, codes.shape[0], block, scale_bytes, rec_bytes, offset]
+        blobs.append((offset, blob))
+        offset = _align(offset + blob.numel())
+    out = torch.zeros(offset, dtype=torch.uint8)
+    out[:8 * len(header)] = torch.tensor(header, dtype=torch.int64).view(torch.uint8)
+    for start, blob in blobs:
+        out[start:start + blob.numel()] = blob
+    return out
+
+
+def _align(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def _records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tensor,
+             offsets: Optional[torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    """One segment's records: [groups, blocks, record bytes] flattened; (blob, scale bytes, record bytes)."""
+    out_features, in_features = codes.shape
+    groups, blocks = -(-out_features // QUANT_LANES), in_features // block
+    pad = groups * QUANT_LANES - out_features
+    factors = [scales] + ([offsets] if kind == 4 else [])
+    exact16 = all(torch.equal(f.half().float(), f) for f in factors)
+    scale_dtype = torch.float16 if exact16 else torch.float32
+    codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
+    lanes = [torch.nn.functional.pad(f, (0, 0, 0, pad)).to(scale_dtype)
+             .view(groups, QUANT_LANES, blocks).transpose(1, 2).contiguous().view(groups, blocks, -1)
+             .view(torch.uint8) for f in factors]
+    if kind == 4:   # zmm k, lane o: a uint32 of the codes of inputs 8k..8k+7, input 8k+j in bits 4j..
+        c = codes.to(torch.int64).view(groups, QUANT_LANES, blocks, 4, 8).permute(0, 2, 3, 1, 4)
+        words = (c << (4 * torch.arange(8))).sum(-1)
+        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)    # the same 32 bits as int32
+        nibbles = words.to(torch.int32).contiguous().view(groups, blocks, 4 * QUANT_LANES).view(torch.uint8)
+        recs = torch.cat([nibbles] + lanes, dim=-1)
+    else:           # input-major int8: 16 outputs per input
+        c = codes.to(torch.int8).view(groups, QUANT_LANES, blocks, block).permute(0, 2, 3, 1)
+        recs = torch.cat([c.contiguous().view(groups, blocks, -1).view(torch.uint8)] + lanes, dim=-1)
+    return recs.reshape(-1), scale_dtype.itemsize, recs.shape[-1]

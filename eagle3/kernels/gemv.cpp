@@ -484,11 +484,184 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   return q;
 }
 
+// ------------------------------------------------------------------ quantized weights (GGUF)
+// y[M, O] = x[M, I] @ W^T with W in the GGUF file's own integer codes, dequantized in registers.
+// The packed weight (eagle3/runtime/quant.py pack_quant) is one uint8 tensor: an int64 header
+// [magic, segments, I, O] + per segment [kind, out, block, scale_bytes, rec_bytes, offset], then
+// each segment's records. A segment is a run of outputs in one format (fused q/k/v may mix them);
+// a record covers 16 outputs (the lanes) x one block of inputs:
+//   kind 4 (Q4_0, Q4_1, Q4_K): 32 inputs, 4-bit codes c, w = scale * c + offset.
+//       4 x 64 bytes: zmm k, lane o = 8 codes of output o (inputs 8k..8k+7, input 8k+j in bits
+//       4j..4j+3); then 16 scales and 16 offsets (fp16 where the file's are exact in fp16, else fp32)
+//   kind 8 (Q8_0, Q5_0 block 32; Q6_K block 16): int8 codes c, w = scale * c.
+//       block x 16 int8 (input-major, lane o = output o); then 16 scales
+// Per block and row: dot = sum_j x_j c_j (fp32 FMA, inputs in order), then
+// acc = scale * dot (+ offset * sum_j x_j) (the block's input sum, computed once per row): the
+// exact model of the file up to fp32 rounding, and each row in one fixed order whatever the call's
+// other rows (row-stable, as the bf16 kernels).
+namespace {
+
+constexpr int64_t kQuantMagic = 0x5451474745;   // "EGGQT"
+constexpr int kQuantLanes = 16;
+
+struct QuantSeg {
+  int64_t kind, out, block, scale_bytes, rec_bytes, offset, out0, group0;
+};
+
+std::vector<QuantSeg> quant_segments(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() >= 32,
+              "packed quantized weight must be a contiguous uint8 tensor from pack_quant");
+  const int64_t* h = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>());
+  TORCH_CHECK(h[0] == kQuantMagic, "packed quantized weight: bad magic (not made by pack_quant)");
+  TORCH_CHECK(h[2] == in_features, "x width ", in_features, " != the packed weight's input width ", h[2]);
+  TORCH_CHECK(h[3] == out_features, "out_features ", out_features, " != the packed weight's ", h[3]);
+  std::vector<QuantSeg> segs;
+  int64_t out0 = 0, group0 = 0;
+  for (int64_t s = 0; s < h[1]; ++s) {
+    const int64_t* e = h + 4 + 6 * s;
+    QuantSeg g{e[0], e[1], e[2], e[3], e[4], e[5], out0, group0};
+    TORCH_CHECK((g.kind == 4 && g.block == 32) || (g.kind == 8 && (g.block == 32 || g.block == 16)),
+                "packed quantized weight: kind ", g.kind, " with block ", g.block, " has no kernel");
+    TORCH_CHECK(g.scale_bytes == 2 || g.scale_bytes == 4, "scale bytes ", g.scale_bytes);
+    TORCH_CHECK(in_features % g.block == 0, "input width ", in_features, " not a multiple of block ", g.block);
+    const int64_t groups = (g.out + kQuantLanes - 1) / kQuantLanes;
+    TORCH_CHECK(g.offset + groups * (in_features / g.block) * g.rec_bytes <= packed.numel(),
+                "packed quantized weight is truncated");
+    segs.push_back(g);
+    out0 += g.out;
+    group0 += groups;
+  }
+  TORCH_CHECK(out0 == out_features, "segments cover ", out0, " outputs, expected ", out_features);
+  return segs;
+}
+
+inline __m512 load_scales(const uint8_t* p, int64_t scale_bytes) {
+  return scale_bytes == 2 ? _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))
+                          : _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+}
+
+inline void store_lanes(float* y, __m512 a, int valid) {
+  if (valid >= 16) _mm512_storeu_ps(y, a);
+  else _mm512_mask_storeu_ps(y, (__mmask16)((1u << valid) - 1), a);
+}
+
+// MT rows against one group of 16 outputs of a kind-4 segment
+template <int MT>
+void q4_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* rec,
+             int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    __m512 dot[MT];
+    for (int r = 0; r < MT; ++r) dot[r] = _mm512_setzero_ps();
+    const float* xb = x + b * 32;
+    for (int k = 0; k < 4; ++k) {
+      const __m512i n = _mm512_loadu_si512(rec + 64 * k);
+#define EAGLE3_Q4_STEP(j)                                                                   \
+      {                                                                                     \
+        const __m512 c = _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4 * (j)), table);       \
+        for (int r = 0; r < MT; ++r)                                                        \
+          dot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 8 * k + (j)]), c, dot[r]);  \
+      }
+      EAGLE3_Q4_STEP(0) EAGLE3_Q4_STEP(1) EAGLE3_Q4_STEP(2) EAGLE3_Q4_STEP(3)
+      EAGLE3_Q4_STEP(4) EAGLE3_Q4_STEP(5) EAGLE3_Q4_STEP(6) EAGLE3_Q4_STEP(7)
+#undef EAGLE3_Q4_STEP
+    }
+    const __m512 s = load_scales(rec + 256, sb), m = load_scales(rec + 256 + 16 * sb, sb);
+    for (int r = 0; r < MT; ++r) {
+      acc[r] = _mm512_fmadd_ps(s, dot[r], acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * ldxs + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
+}
+
+// MT rows against one group of 16 outputs of a kind-8 segment with blocks of BLK inputs
+template <int MT, int BLK>
+void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, int64_t rec_bytes,
+             int64_t sb, float* y, int64_t ldy, int valid) {
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    __m512 dot[MT];
+    for (int r = 0; r < MT; ++r) dot[r] = _mm512_setzero_ps();
+    const float* xb = x + b * BLK;
+    for (int j = 0; j < BLK; ++j) {
+      const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec + 16 * j))));
+      for (int r = 0; r < MT; ++r) dot[r] = _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + j]), c, dot[r]);
+    }
+    const __m512 s = load_scales(rec + 16 * BLK, sb);
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(s, dot[r], acc[r]);
+  }
+  for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
+}
+
+template <int MT>
+void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const float* x, int64_t I,
+                 const float* xsum, int64_t nb32, float* y, int64_t O) {
+  const int64_t blocks = I / g.block, local = group - g.group0;
+  const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
+  const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
+  float* yo = y + g.out0 + local * kQuantLanes;
+  if (g.kind == 4) q4_tile<MT>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.block == 32) q8_tile<MT, 32>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else q8_tile<MT, 16>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+}
+
+using QuantGroupFn = void (*)(const QuantSeg&, int64_t, const uint8_t*, const float*, int64_t,
+                              const float*, int64_t, float*, int64_t);
+const QuantGroupFn kQuantGroups[kMaxTile] = {quant_group<1>, quant_group<2>, quant_group<3>, quant_group<4>,
+                                             quant_group<5>, quant_group<6>, quant_group<7>, quant_group<8>};
+
+}  // namespace
+
+// x [M, I] fp32 contiguous; packed from pack_quant -> y [M, O] fp32 (+ bias)
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                           int64_t out_features) {
+  expect(x, "x", torch::kFloat32);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, I] fp32 tensor");
+  const int64_t M = x.size(0), I = x.size(1), O = out_features;
+  const auto segs = quant_segments(packed, I, O);
+  if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == O,
+                        "bias must be fp32 [O]");
+  auto y = torch::empty({M, O}, x.options());
+  const float* xp = x.data_ptr<float>();
+  // each row's block sums, in one fixed order (inputs in order), for the offsets of kind-4 blocks
+  const int64_t nb32 = I / 32;
+  std::vector<float> xsum(M * std::max<int64_t>(nb32, 1), 0.0f);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb32; ++b) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < 32; ++j) s += xp[r * I + b * 32 + j];
+      xsum[r * nb32 + b] = s;
+    }
+  const uint8_t* base = packed.data_ptr<uint8_t>();
+  const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    size_t s = 0;
+    for (int64_t grp = g0; grp < g1; ++grp) {
+      while (s + 1 < segs.size() && grp >= segs[s + 1].group0) ++s;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
+        const int mt = (int)std::min<int64_t>(kMaxTile, M - m0);
+        kQuantGroups[mt - 1](segs[s], grp, base, xp + m0 * I, I, xsum.data() + m0 * nb32, nb32,
+                             yp + m0 * O, O);
+      }
+    }
+  });
+  if (bias) y.add_(*bias);
+  return y;
+}
+
 namespace {
 
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& packed,
                          const c10::optional<torch::Tensor>& bias, int64_t out_features, bool bf16) {
   const int64_t rows = x.numel() / x.size(-1);
+  if (packed.scalar_type() == torch::kByte)   // GGUF codes (pack_quant): fp32 activations
+    return linear_quant(x.reshape({rows, x.size(-1)}).contiguous(), packed, bias, out_features);
   auto flat = x.reshape({rows, x.size(-1)}).to(bf16 ? torch::kBFloat16 : torch::kFloat32).contiguous();
   return bf16 ? linear_bf16(flat, packed, bias, out_features) : linear_fp32(flat, packed, bias, out_features);
 }
@@ -557,6 +730,7 @@ int64_t parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "small-M linear: packed bf16 weight, bf16 x, fp32 out");
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
+  m.def("linear_quant", &linear_quant, "small-M linear: GGUF codes packed by pack_quant, fp32 x and out");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
   m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("slot_of_row") = py::none(),

@@ -36,18 +36,23 @@ def norm_of(module: RMSNorm) -> Norm:
 
 class FastLayer:
     def __init__(self, attn: Attention, mlp: MLP, norm1: Optional[RMSNorm], norm2: RMSNorm,
-                 backend: Backend):
+                 backend: Backend, codes: Optional[dict] = None):
+        # codes: GGUF integer codes by weight name within the layer ("self_attn.q_proj.weight"),
+        # for `--weights gguf` (runtime.quant); a fused linear takes them when all its parts have them
         self.backend = backend
         self.num_heads, self.num_kv_heads, self.head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
         self.norm1 = norm_of(norm1) if norm1 is not None else None
         self.norm2 = norm_of(norm2)
         self.q_norm = norm_of(attn.q_norm) if attn.q_norm is not None else None
         self.k_norm = norm_of(attn.k_norm) if attn.k_norm is not None else None
+        of = lambda *names: _codes_of(codes, names)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
-        self.qkv = fused_linear([p.weight for p in projections], [p.bias for p in projections], backend)
-        self.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, backend)
-        self.gate_up = fused_linear([mlp.gate_proj.weight, mlp.up_proj.weight], [None, None], backend)
-        self.down_proj = PackedLinear(mlp.down_proj.weight, None, backend)
+        self.qkv = fused_linear([p.weight for p in projections], [p.bias for p in projections], backend,
+                                of("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+        self.o_proj = PackedLinear(attn.o_proj.weight, attn.o_proj.bias, backend, of("self_attn.o_proj"))
+        self.gate_up = fused_linear([mlp.gate_proj.weight, mlp.up_proj.weight], [None, None], backend,
+                                    of("mlp.gate_proj", "mlp.up_proj"))
+        self.down_proj = PackedLinear(mlp.down_proj.weight, None, backend, of("mlp.down_proj"))
         self.one_call = self._one_call_weights()
 
     @property
@@ -165,3 +170,11 @@ class FastLayer:
             out[:, :, r] = self.backend.attention(q[:, :, r], k_buf[blk.slot:blk.slot + 1, :, :end],
                                                   v_buf[blk.slot:blk.slot + 1, :, :end], mask)
         return out
+
+
+def _codes_of(codes: Optional[dict], names: tuple[str, ...]) -> Optional[list]:
+    """The parts' codes in order, or None unless every part has them."""
+    if not codes:
+        return None
+    parts = [codes.get(f"{n}.weight") for n in names]
+    return parts if all(p is not None for p in parts) else None

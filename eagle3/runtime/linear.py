@@ -7,10 +7,14 @@ on one thread. Verify forwards have several rows, decode forwards one, so a Pack
 layouts its backend needs and picks by rows: blocks of up to `backend.kernel_rows` rows go to the
 kernel (every row's result independent of the block: a row-stable target sends every verify block
 there), the rest to oneDNN. bf16 weights take fp32 activations in and out.
+
+With `codes` (a GGUF target under `--weights gguf`: runtime.quant), the small-M kernel runs the
+file's own integer codes (gemv.cpp linear_quant) and blocks past it take the fp32 weight, which is
+the same model exactly (the dequantised file).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,17 +26,24 @@ PACK_ROWS_HINT = 8
 
 
 class PackedLinear:
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], backend: Backend):
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], backend: Backend,
+                 codes: Optional[Sequence] = None):
         weight = weight.detach()
         self.out_features, self.in_features = weight.shape
         self.weight_dtype = backend.weight_dtype
         self.bias = None if bias is None else bias.detach().float().clone()
         self.torch_weight = weight if backend.name == "torch" else None
         self.small = None              # the small-M kernel, where this backend and dtype have one
-        if backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
+        self.quant_types: tuple[str, ...] = ()
+        if backend.kernels is not None and codes:
+            self.small = kernels.quant_linear()
+            self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes])
+            self.quant_types = tuple(c.ggml_type for c in codes)
+        elif backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
             self.small = kernels.small_linear(self.weight_dtype)
         self.small_rows = backend.kernel_rows if self.small is not None else 0
-        self.small_weight = kernels.pack_weight(weight, self.weight_dtype) if self.small else None
+        if not self.quant_types:
+            self.small_weight = kernels.pack_weight(weight, self.weight_dtype) if self.small else None
         self.onednn = None
         if backend.name != "torch" and onednn_available():
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(
@@ -70,11 +81,13 @@ class PackedLinear:
 
     def weight_bytes(self) -> int:
         """Bytes of weight one call reads (the layout a decode step uses)."""
+        if self.quant_types:
+            return self.small_weight.numel()
         return self.out_features * self.in_features * self.weight_dtype.itemsize
 
 
 def fused_linear(weights: list[torch.Tensor], biases: list[Optional[torch.Tensor]],
-                 backend: Backend) -> PackedLinear:
-    """One PackedLinear over concatenated outputs (q/k/v, gate/up)."""
+                 backend: Backend, codes: Optional[Sequence] = None) -> PackedLinear:
+    """One PackedLinear over concatenated outputs (q/k/v, gate/up); codes: one per part, or None."""
     bias = torch.cat(biases) if biases[0] is not None else None
-    return PackedLinear(torch.cat(weights, dim=0), bias, backend)
+    return PackedLinear(torch.cat(weights, dim=0), bias, backend, codes)

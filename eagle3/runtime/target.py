@@ -18,18 +18,23 @@ from ..models.llama import ForwardOutput, LlamaModel, as_block, rows_of
 from .backend import Backend, choose_backend
 from .layer import FastLayer, norm_of
 from .linear import PackedLinear
+from .quant import GgufWeights, check_codes
 
 
 class InferenceTarget:
-    def __init__(self, model: LlamaModel, backend: Backend):
+    def __init__(self, model: LlamaModel, backend: Backend, gguf: Optional[GgufWeights] = None):
         self.config: ModelConfig = model.config
         self.backend = backend
+        self.gguf = gguf                                # --weights gguf: the file's codes (runtime.quant)
+        codes = gguf.codes if gguf is not None and backend.kernels is not None else {}
         self.embed_tokens = model.embed_tokens          # shared, read only (a lookup)
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
-        self.layers = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend)
-                       for l in model.layers]
+        self.layers = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend,
+                                 _layer_codes(codes, i))
+                       for i, l in enumerate(model.layers)]
         self.norm = norm_of(model.norm)
-        self.lm_head = PackedLinear(model.lm_head.weight, None, backend)
+        head = codes.get("lm_head.weight")
+        self.lm_head = PackedLinear(model.lm_head.weight, None, backend, [head] if head is not None else None)
 
     @property
     def device(self) -> torch.device:
@@ -110,9 +115,19 @@ class InferenceTarget:
 
 
 def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,
-                 row_stable: bool = False, backend: Optional[Backend] = None) -> InferenceTarget:
+                 row_stable: bool = False, backend: Optional[Backend] = None,
+                 gguf: Optional[GgufWeights] = None) -> InferenceTarget:
     """The inference layout of `model` (which is left as it is). weight_dtype=bf16 stores the GEMM
     weights in bf16 (activations stay fp32); row_stable=True makes every op compute a row in one
-    fixed order whatever the block, so verify == one-token decode bit for bit (runtime.backend)."""
+    fixed order whatever the block, so verify == one-token decode bit for bit (runtime.backend).
+    gguf: the integer codes of the file the model was dequantised from (runtime.quant), checked
+    against the model's weights; the kernels then run them (fp32 weights serve without kernels)."""
     device = model.embed_tokens.weight.device
-    return InferenceTarget(model, backend or choose_backend(device, weight_dtype, row_stable))
+    if gguf is not None:
+        check_codes(gguf, dict(model.named_parameters(remove_duplicate=False)))
+    return InferenceTarget(model, backend or choose_backend(device, weight_dtype, row_stable), gguf)
+
+
+def _layer_codes(codes: dict, index: int) -> dict:
+    prefix = f"layers.{index}."
+    return {k[len(prefix):]: v for k, v in codes.items() if k.startswith(prefix)}
