@@ -1,4 +1,6 @@
-"""Generation: sampling parameters, prompt/text handling, plain decoding and the Engine API."""
+"""Generation: sampling parameters, prompt/text handling, plain decoding, the Engine API and
+continuous batching (BatchScheduler)."""
+from .batch import BatchScheduler
 from .engine import Engine
 from .plain import PlainDecoder
 from ..sampling import SamplingParams, sample_next, target_probs
@@ -6,5 +8,5 @@ from .text import TextStream, encode_prompt
 from ..speculative.step import Step
 from .types import Chunk, Decoder, GenerationResult
 
-__all__ = ["Engine", "PlainDecoder", "SamplingParams", "sample_next", "target_probs", "TextStream",
+__all__ = ["BatchScheduler", "Engine", "PlainDecoder", "SamplingParams", "sample_next", "target_probs", "TextStream",
            "encode_prompt", "Chunk", "Decoder", "GenerationResult", "Step"]

@@ -22,6 +22,17 @@ if TYPE_CHECKING:
     from ..speculative.policy import AdaptivePolicy
 
 
+def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+    """InputError unless a prompt is given and it fits the context with max_new_tokens."""
+    if prompt_len == 0:
+        raise InputError("empty prompt: give some text or chat messages")
+    if prompt_len + max_new_tokens > max_model_len:
+        raise InputError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt_len + max_new_tokens} exceeds the context ({max_model_len} tokens); "
+            "shorten the prompt or lower max_new_tokens")
+
+
 class Engine:
     def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048,
                  policy: Optional[Callable[[], "AdaptivePolicy"]] = None):
@@ -79,13 +90,7 @@ class Engine:
         yield from self.run(decoder, ids, params)
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
-        if prompt_len == 0:
-            raise InputError("empty prompt: give some text or chat messages")
-        if prompt_len + max_new_tokens > self.max_model_len:
-            raise InputError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
-                f"{prompt_len + max_new_tokens} exceeds the context ({self.max_model_len} tokens); "
-                "shorten the prompt or lower max_new_tokens")
+        check_length(prompt_len, max_new_tokens, self.max_model_len)
 
     def make_decoder(self, params: SamplingParams, speculative: bool = True) -> Decoder:
         if not (self.speculative and speculative):

@@ -228,6 +228,16 @@ inline __m512 exp_neg(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// the data of an int64 [n] per-row index, every value checked to lie in [lo, hi]
+const int64_t* checked_rows(const torch::Tensor& t, const char* name, int64_t n, int64_t lo, int64_t hi) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == torch::kInt64 && t.dim() == 1 && t.size(0) == n &&
+              t.is_contiguous(), name, " must be a contiguous int64 CPU tensor [", n, "], got ", t.sizes());
+  const int64_t* p = t.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(p[i] >= lo && p[i] <= hi, name, "[", i, "] = ", p[i], " outside [", lo, ", ", hi, "]");
+  return p;
+}
+
 }  // namespace
 
 // x [N, H] fp32 contiguous, w [H] fp32 -> [N, H]
@@ -290,27 +300,39 @@ void weighted_sums_rows(const float* const* p, const float* v, int64_t ldv, int6
 // One work item is the `group` query heads of one kv head at one query position: they share
 // every k and v row, and their independent dot products and sums keep the core busy. Each row's
 // arithmetic is the same whatever else is in the item.
-torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask) {
+// Rows of several sequences (continuous batching): q [1, Hq, N, D] holds N rows, k/v [slots, Hkv,
+// S, D] a cache slot per sequence; row t attends to keys [0, keys_of_row[t]) of slot
+// slot_of_row[t] (int64 [N] each; mask None). Same arithmetic as a masked block: masked keys only
+// add exact zeros there, so a row gets the bits of its sequence run alone.
+torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
+                        c10::optional<torch::Tensor> slot_of_row = c10::nullopt,
+                        c10::optional<torch::Tensor> keys_of_row = c10::nullopt) {
   expect(q, "q", torch::kFloat32);
   expect(k, "k", torch::kFloat32);
   expect(v, "v", torch::kFloat32);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, heads, rows, D]");
   TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1, "q contiguous, k/v unit stride on D");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
-  const int64_t Hkv = k.size(1), S = k.size(2);
+  const int64_t Hkv = k.size(1), S_all = k.size(2);
   TORCH_CHECK(Hkv > 0 && Hq % Hkv == 0, "query heads ", Hq, " not a multiple of kv heads ", Hkv);
   const int64_t group = Hq / Hkv;
-  TORCH_CHECK(k.size(0) == B && v.size(0) == B, "batch: q ", B, ", k ", k.size(0), ", v ", v.size(0));
-  TORCH_CHECK(v.size(1) == Hkv && v.size(2) == S, "v [", v.size(1), ", ", v.size(2), "] != k heads/keys [", Hkv, ", ", S, "]");
+  const bool rows = slot_of_row.has_value();
+  TORCH_CHECK(rows == keys_of_row.has_value(), "slot_of_row and keys_of_row go together");
+  const int64_t* row_slot = rows ? checked_rows(*slot_of_row, "slot_of_row", T, 0, k.size(0) - 1) : nullptr;
+  const int64_t* row_keys = rows ? checked_rows(*keys_of_row, "keys_of_row", T, 1, k.size(2)) : nullptr;
+  TORCH_CHECK(!rows || (B == 1 && !mask), "rows of several sequences: q must be [1, Hq, N, D], mask None");
+  TORCH_CHECK(rows || (k.size(0) == B && v.size(0) == B), "batch: q ", B, ", k ", k.size(0), ", v ", v.size(0));
+  TORCH_CHECK(v.size(0) == k.size(0), "batch: k ", k.size(0), ", v ", v.size(0));
+  TORCH_CHECK(v.size(1) == Hkv && v.size(2) == S_all, "v [", v.size(1), ", ", v.size(2), "] != k heads/keys [", Hkv, ", ", S_all, "]");
   TORCH_CHECK(k.size(3) == D && v.size(3) == D, "head_dim: q ", D, ", k ", k.size(3), ", v ", v.size(3));
   const bool* mp = nullptr;
   int64_t mask_b = 0;
   if (mask) {
     TORCH_CHECK(mask->scalar_type() == torch::kBool && mask->is_contiguous() && mask->dim() == 4 &&
-                mask->size(1) == 1 && mask->size(2) == T && mask->size(3) == S &&
+                mask->size(1) == 1 && mask->size(2) == T && mask->size(3) == S_all &&
                 (mask->size(0) == 1 || mask->size(0) == B), "mask must be bool [B|1, 1, T, S]");
     mp = mask->data_ptr<bool>();
-    mask_b = mask->size(0) == 1 ? 0 : T * S;
+    mask_b = mask->size(0) == 1 ? 0 : T * S_all;
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
@@ -318,16 +340,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
-  const int64_t ld = S + 16;                  // one score row per head of the item
+  const int64_t ld = S_all + 16;              // one score row per head of the item
   at::parallel_for(0, B * Hkv * T, 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> sc(group * ld), mx(group), sum(group), inv(group), acc(D);
     std::vector<const float*> qrow(group), prow(group);
     std::vector<float*> orow(group);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / (Hkv * T), g = (r / T) % Hkv, t = r % T;
-      const float* kb = kp + b * k.stride(0) + g * k.stride(1);
-      const float* vb = vp + b * v.stride(0) + g * v.stride(1);
-      const bool* mr = mp ? mp + b * mask_b + t * S : nullptr;
+      const int64_t kv_b = rows ? row_slot[t] : b, S = rows ? row_keys[t] : S_all;
+      const float* kb = kp + kv_b * k.stride(0) + g * k.stride(1);
+      const float* vb = vp + kv_b * v.stride(0) + g * v.stride(1);
+      const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
       for (int64_t i = 0; i < group; ++i) {
         const int64_t row = (b * Hq + g * group + i) * T + t;
         qrow[i] = qp + row * D;
@@ -391,8 +414,12 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
 // [B, Hq, T, D]. Each element is x*cos + rotate_half(x)*sin rounded as torch rounds it (two
 // products, one sum; the build has no FMA contraction), so it equals the composite torch path bit
 // for bit and a row never depends on the others.
+// Rows of several sequences (continuous batching): B = 1, T = N rows, k_buf/v_buf [slots, ...];
+// row t's k/v go to slot slot_of_row[t], cache row index_of_row[t] (int64 [N] each; start unused).
 torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf,
-                       torch::Tensor v_buf, int64_t start, int64_t Hq, int64_t Hkv) {
+                       torch::Tensor v_buf, int64_t start, int64_t Hq, int64_t Hkv,
+                       c10::optional<torch::Tensor> slot_of_row = c10::nullopt,
+                       c10::optional<torch::Tensor> index_of_row = c10::nullopt) {
   expect(qkv, "qkv", torch::kFloat32);
   expect(cos, "cos", torch::kFloat32);
   expect(sin, "sin", torch::kFloat32);
@@ -406,10 +433,15 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   TORCH_CHECK(qkv.size(0) == B * T && qkv.size(1) == (Hq + 2 * Hkv) * D,
               "qkv [", qkv.size(0), ", ", qkv.size(1), "] != [B*T, (Hq + 2 Hkv) * D] = [", B * T, ", ",
               (Hq + 2 * Hkv) * D, "]");
-  TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && k_buf.size(0) == B && v_buf.size(0) == B &&
+  const bool rows = slot_of_row.has_value();
+  TORCH_CHECK(rows == index_of_row.has_value() && (!rows || B == 1), "slot_of_row and index_of_row go together, with B = 1");
+  const int64_t* row_slot = rows ? checked_rows(*slot_of_row, "slot_of_row", T, 0, k_buf.size(0) - 1) : nullptr;
+  const int64_t* row_index = rows ? checked_rows(*index_of_row, "index_of_row", T, 0, k_buf.size(2) - 1) : nullptr;
+  TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && (rows || (k_buf.size(0) == B && v_buf.size(0) == B)) &&
+              v_buf.size(0) == k_buf.size(0) &&
               k_buf.size(1) == Hkv && v_buf.size(1) == Hkv && k_buf.size(3) == D && v_buf.size(3) == D &&
               k_buf.stride(3) == 1 && v_buf.stride(3) == 1, "kv buffers must be [B, Hkv, S, D] with unit stride on D");
-  TORCH_CHECK(start >= 0 && start + T <= k_buf.size(2) && start + T <= v_buf.size(2),
+  TORCH_CHECK(rows || (start >= 0 && start + T <= k_buf.size(2) && start + T <= v_buf.size(2)),
               "rows ", start, "..", start + T, " exceed the kv buffer of ", k_buf.size(2));
   auto q = torch::empty({B, Hq, T, D}, qkv.options());
   const float* src = qkv.data_ptr<float>();
@@ -423,6 +455,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   at::parallel_for(0, B * T, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T, t = r % T;
+      const int64_t kv_b = rows ? row_slot[t] : b, at = rows ? row_index[t] : start + t;
       const float* c = cp + r * D;
       const float* sn = sp + r * D;
       for (int64_t h = 0; h < heads; ++h) {
@@ -431,9 +464,9 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
         if (h < Hq) {
           dst = qp + ((b * Hq + h) * T + t) * D;
         } else if (h < Hq + Hkv) {
-          dst = kp + b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + (start + t) * k_buf.stride(2);
+          dst = kp + kv_b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + at * k_buf.stride(2);
         } else {
-          dst = vp + b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + (start + t) * v_buf.stride(2);
+          dst = vp + kv_b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + at * v_buf.stride(2);
           for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
           continue;
         }
@@ -714,7 +747,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("linear_quant", &linear_quant, "small-M linear: GGUF codes packed by pack_quant, fp32 x and out");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
-  m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32");
+  m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("slot_of_row") = py::none(),
+        py::arg("keys_of_row") = py::none());
   py::class_<LayerWeights>(m, "LayerWeights", py::module_local(), "one decoder layer's packed weights and shapes")
       .def(py::init([](torch::Tensor norm1, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
                        torch::Tensor o_w, c10::optional<torch::Tensor> o_b, torch::Tensor norm2,
@@ -731,5 +766,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("h"), py::arg("x_in"), py::arg("weights"), py::arg("cos"), py::arg("sin"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("mask"));
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");
-  m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32");
+  m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32",
+        py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_buf"), py::arg("v_buf"), py::arg("start"),
+        py::arg("Hq"), py::arg("Hkv"), py::arg("slot_of_row") = py::none(), py::arg("index_of_row") = py::none());
 }

@@ -1,4 +1,6 @@
-"""Static (preallocated) KV cache that takes blocks of tokens and keeps a chosen subset of a block.
+"""Static (preallocated) KV caches: `KVCache` (one shared length for its batch rows) takes blocks of
+tokens and keeps a chosen subset of a block; `SlotCache` (continuous batching) holds a slot per
+sequence, each with its own length.
 
 Layout: keys and values [num_layers, batch, num_kv_heads, max_len, head_dim]. Slot i holds the token
 whose KV was written i-th; `length` slots are live. A forward writes its block at [length, length+T)
@@ -6,6 +8,8 @@ and then `advance(T)`; after tree verification `keep(start, kept)` compacts the 
 block to [start, start+len(kept)) in order. Nothing is reallocated after construction.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -69,3 +73,110 @@ class KVCache:
         out.v[:, :, :, live] = self.v[:, rows, :, live]
         out.length = self.length
         return out
+
+
+# ---------------------------------------------------------------------------- a slot per sequence
+class Block(NamedTuple):
+    slot: int
+    start: int                  # the slot's cached length before this forward
+    rows: int
+    first_row: int              # its first row in the forward
+
+
+class SlotRows(NamedTuple):
+    """Where the rows of one batched forward come from and go (continuous batching).
+
+    Row order: the blocks one after another; block i is `rows` consecutive tokens of the sequence
+    in cache slot `slot`, written at [start, start + rows) of that slot (its cached length)."""
+    slot: torch.Tensor          # [N] int64: the cache slot of each row
+    index: torch.Tensor         # [N] int64: the cache row its k/v is written at
+    keys: torch.Tensor          # [N] int64: it attends to keys [0, keys) of its slot (causal)
+    positions: torch.Tensor     # [N] int64: its rotary position (= index for plain decoding)
+    last: torch.Tensor          # [num_blocks] int64: each block's last row
+    blocks: tuple[Block, ...]
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.slot.numel())
+
+
+class SlotCache:
+    """A static KV cache with one slot per sequence, each with its own length.
+
+    Layout: keys and values [num_layers, slots, num_kv_heads, max_len, head_dim]; slot s holds
+    `lengths[s]` live tokens. `allocate` hands out a free slot (length 0), `release` frees it at
+    once; a forward over `plan(...)` rows writes each block at its slot's length and `commit`s.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 slots: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        if slots < 1:
+            raise InputError(f"a slotted KV cache needs slots >= 1, got {slots}")
+        shape = (num_layers, slots, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.lengths = [0] * slots
+        self.free = list(range(slots))          # handed out lowest first
+        self.in_use: set[int] = set()
+
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    def allocate(self) -> int:
+        if not self.free:
+            raise InputError(f"no free KV cache slot: all {self.slots} are in use; release a "
+                             "finished sequence first or build the cache with more slots")
+        slot = self.free.pop(0)
+        self.in_use.add(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._check_in_use(slot)
+        self.in_use.remove(slot)
+        self.free.append(slot)
+        self.free.sort()
+        self.lengths[slot] = 0
+
+    def _check_in_use(self, slot: int) -> None:
+        if slot not in self.in_use:
+            raise InputError(f"KV cache slot {slot} is not in use (in use: {sorted(self.in_use)}); "
+                             "allocate it first")
+
+    def plan(self, blocks: list[tuple[int, int]]) -> SlotRows:
+        """Rows for one forward: `blocks` is (slot, num_new_tokens) per sequence, each slot once."""
+        slots = [s for s, _ in blocks]
+        if len(set(slots)) != len(slots):
+            raise InputError(f"a slot appears twice in one forward: {slots}; give each sequence "
+                             "one block")
+        placed, first = [], 0
+        for slot, rows in blocks:
+            self._check_in_use(slot)
+            if rows < 1:
+                raise InputError(f"slot {slot}: a block needs >= 1 row, got {rows}")
+            check_room(self.lengths[slot], rows, self.max_len)
+            placed.append(Block(slot, self.lengths[slot], rows, first))
+            first += rows
+        return rows_of_blocks(placed, self.k.device)
+
+    def commit(self, rows: SlotRows) -> None:
+        """The forward over `rows` has written its blocks: each slot's length moves past them."""
+        for b in rows.blocks:
+            self.lengths[b.slot] = b.start + b.rows
+
+
+def rows_of_blocks(blocks: list[Block], device: torch.device | str = "cpu") -> SlotRows:
+    """The per-row index tensors of placed blocks (plain causal decoding: position = index)."""
+    slot = torch.cat([torch.full((b.rows,), b.slot, dtype=torch.long) for b in blocks])
+    index = torch.cat([torch.arange(b.start, b.start + b.rows) for b in blocks])
+    last = torch.tensor([b.first_row + b.rows - 1 for b in blocks], dtype=torch.long)
+    return SlotRows(slot, index, index + 1, index.to(device), last, tuple(blocks))

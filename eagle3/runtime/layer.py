@@ -19,7 +19,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.layers import Attention, MLP, RMSNorm, apply_rotary
+from ..models.kv_cache import SlotRows
+from ..models.layers import Attention, MLP, RMSNorm, apply_rotary, causal_block_mask
 from .backend import Backend
 from .linear import PackedLinear, fused_linear
 
@@ -115,6 +116,60 @@ class FastLayer:
         k_buf[:, :, start:start + seq] = apply_rotary(k.transpose(1, 2), cos, sin)
         v_buf[:, :, start:start + seq] = v.transpose(1, 2)
         return q
+
+    # ------------------------------------------------------------------ rows of several sequences
+    def forward_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_buf: torch.Tensor, v_buf: torch.Tensor, rows: SlotRows) -> torch.Tensor:
+        """A target layer over the rows of several sequences (continuous batching), each with its
+        own cache slot: one call per linear over all rows, attention per sequence (SlotRows).
+        The composite path's ops, so a row gets the bits it gets in its sequence's own forward."""
+        # h [1, N, H]; cos, sin [1, 1, N, D]; k_buf, v_buf [slots, Hkv, S, D]
+        h = h + self.attention_rows(self.backend.rms_norm(h, *self.norm1), cos, sin, k_buf, v_buf, rows)
+        gate, up = self.gate_up(self.backend.rms_norm(h, *self.norm2)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+    def attention_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       k_buf: torch.Tensor, v_buf: torch.Tensor, rows: SlotRows) -> torch.Tensor:
+        n = x.shape[1]
+        b = self.backend
+        fused = b.kernels is not None and k_buf.dtype == torch.float32
+        if fused and b.fused_rope and self.q_norm is None:
+            q = b.kernels.rope_qkv(self.qkv(x).view(n, -1), cos, sin, k_buf, v_buf, 0, self.num_heads,
+                                   self.num_kv_heads, rows.slot, rows.index)
+        else:
+            q = self._rotate_and_cache_rows(x, cos, sin, k_buf, v_buf, rows)
+        if fused:
+            a = b.kernels.attention(q.contiguous(), k_buf, v_buf, None, rows.slot, rows.keys)
+        else:
+            a = self._attend_each(q, k_buf, v_buf, rows)
+        return self.o_proj(a.transpose(1, 2).reshape(1, n, -1))
+
+    def _rotate_and_cache_rows(self, x, cos, sin, k_buf, v_buf, rows: SlotRows) -> torch.Tensor:
+        """q [1, H, N, D] rotated; each row's k (rotated) and v written at its slot and index."""
+        n = x.shape[1]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(1, n, self.num_heads, self.head_dim)
+        k = k.view(1, n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.backend.rms_norm(q, *self.q_norm), self.backend.rms_norm(k, *self.k_norm)
+        slot, index = rows.slot.to(k_buf.device), rows.index.to(k_buf.device)
+        k_buf[slot, :, index] = apply_rotary(k.transpose(1, 2), cos, sin)[0].transpose(0, 1).to(k_buf.dtype)
+        v_buf[slot, :, index] = v.view(n, self.num_kv_heads, self.head_dim).to(v_buf.dtype)
+        return apply_rotary(q.transpose(1, 2), cos, sin)
+
+    def _attend_each(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     rows: SlotRows) -> torch.Tensor:
+        """Without the kernels: the backend's attention once per sequence over its slot's prefix
+        (a Python loop over sequences, attention only), with its block's causal mask."""
+        out = torch.empty_like(q)
+        for blk in rows.blocks:
+            r, end = slice(blk.first_row, blk.first_row + blk.rows), blk.start + blk.rows
+            mask = None if blk.rows == 1 else self.backend.prepare_mask(
+                causal_block_mask(blk.start, blk.rows, q.device))
+            out[:, :, r] = self.backend.attention(q[:, :, r], k_buf[blk.slot:blk.slot + 1, :, :end],
+                                                  v_buf[blk.slot:blk.slot + 1, :, :end], mask)
+        return out
 
 
 def _codes_of(codes: Optional[dict], names: tuple[str, ...]) -> Optional[list]:

@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..models.config import ModelConfig, check_capture_ids
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, SlotCache, SlotRows
 from ..models.layers import causal_block_mask
 from ..models.llama import ForwardOutput, LlamaModel, as_block, rows_of
 from .backend import Backend, choose_backend
@@ -48,6 +48,11 @@ class InferenceTarget:
         cfg = self.config
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, batch,
                        self.backend.kv_dtype, self.device)
+
+    def new_slot_cache(self, max_len: int, slots: int) -> SlotCache:
+        cfg = self.config
+        return SlotCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, slots,
+                         self.backend.kv_dtype, self.device)
 
     def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
         check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
@@ -90,6 +95,23 @@ class InferenceTarget:
         return ForwardOutput(logits, hidden, aux)
 
     forward = __call__
+
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, rows: SlotRows, cache: SlotCache) -> torch.Tensor:
+        """Continuous batching: the rows of several sequences in one forward, each block appended
+        at its own slot's length (`cache.plan`), every linear called once over all rows. Returns
+        the logits of each block's last row [num_blocks, V]; on a row-stable layout each equals
+        its sequence's own forward bit for bit."""
+        # input_ids [N] in the order of rows.blocks
+        if input_ids.numel() != rows.num_rows:
+            raise ValueError(f"input_ids has {input_ids.numel()} tokens, rows plan {rows.num_rows}")
+        cos, sin = self.rotary(rows.positions.view(1, -1))
+        h = self.embed_tokens(input_ids.view(1, -1).to(self.device))
+        for i, layer in enumerate(self.layers):
+            h = layer.forward_rows(h, cos, sin, *cache.layer(i), rows)
+        cache.commit(rows)
+        last = h[0, rows.last.to(self.device)]
+        return self.lm_head(self.backend.rms_norm(last, *self.norm))
 
 
 def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,

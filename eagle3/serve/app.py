@@ -36,12 +36,13 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..errors import Eagle3Error
+from ..errors import Eagle3Error, InputError
 from ..generate import encode_prompt
+from ..generate.batch import PREFILL_CHUNK
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
                        requested_max_tokens, sampling_params)
-from .queue import EngineWorker, Job, QueueFull
+from .queue import BatchWorker, EngineWorker, Job, QueueFull
 from .response import EventStream, Generation
 
 log = logging.getLogger("eagle3.serve")
@@ -57,10 +58,13 @@ DEGRADED_HINT = (
 
 
 def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = None,
-               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+               max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
+               max_batch: int = 1) -> FastAPI:
     """An app serving `engine` (an eagle3.generate.Engine). Start it with its lifespan (uvicorn or
-    `with TestClient(app)`): the lifespan starts and stops the engine worker."""
-    server = Server(engine, model_name, api_key, max_queue, max_body_bytes)
+    `with TestClient(app)`): the lifespan starts and stops the engine worker. max_batch > 1 decodes
+    up to that many plain requests together (continuous batching, serve.queue.BatchWorker); a
+    speculative engine serves one sequence at a time (speculation is not batched yet)."""
+    server = Server(engine, model_name, api_key, max_queue, max_body_bytes, max_batch)
     app = FastAPI(title="eagle3", lifespan=server.lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
@@ -90,12 +94,29 @@ def spec_depth(engine) -> int:
     return int(engine.spec.depth) if engine.speculative else 0
 
 
+def batch_mode(engine, max_batch: int) -> tuple[int, str]:
+    """The sequences decoded together (max_batch, or 1 where batching does not apply) and the
+    startup line that says which and why."""
+    if max_batch < 1:
+        raise InputError(f"max_batch must be >= 1, got {max_batch}")
+    if max_batch == 1:
+        return 1, "serving one sequence at a time (--max-batch 1)"
+    if engine.speculative:
+        return 1, (f"serving one sequence at a time: speculative decoding is not batched yet "
+                   f"(--max-batch {max_batch} applies to plain decoding, without a draft)")
+    if not hasattr(engine.target, "forward_rows"):
+        return 1, (f"serving one sequence at a time: {type(engine.target).__name__} has no batched "
+                   f"forward (--max-batch {max_batch} needs the native inference layout)")
+    return max_batch, (f"continuous batching of plain decoding: up to {max_batch} sequences per "
+                       f"step, prompts prefilled in chunks of {PREFILL_CHUNK} tokens")
+
+
 # ---------------------------------------------------------------------------- server state
 class Server:
     """Per-app state: the engine worker, metrics, auth, request validation and encoding."""
 
     def __init__(self, engine, model_name: str, api_key: Optional[str], max_queue: int,
-                 max_body_bytes: int):
+                 max_body_bytes: int, max_batch: int = 1):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes = max_body_bytes
         self.tokenizer = copy.deepcopy(engine.tokenizer)   # the event loop's own (engine's is busy)
@@ -107,8 +128,14 @@ class Server:
         self.metrics = ServerMetrics(max(self.depth, 1))
         # speculation counters take every decode step in the engine thread, cancelled requests'
         # included, like the acceptance monitor behind /health: the two always agree
-        self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
-                                   on_decode_step=lambda step: self.metrics.observe_steps([step]))
+        self.max_batch, self.mode = batch_mode(engine, max_batch)
+        log.info("%s", self.mode)
+        on_step = lambda step: self.metrics.observe_steps([step])     # noqa: E731
+        if self.max_batch > 1:
+            self.worker = BatchWorker(engine, max_queue, self.max_batch, self.after_job, on_step)
+        else:
+            self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
+                                       on_decode_step=on_step)
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
         self.created = int(time.time())
@@ -146,7 +173,8 @@ class Server:
     def health(self) -> dict:
         body = {"status": "degraded" if self.degraded else "ok", "model": self.model_name,
                 "speculative": self.engine.speculative,
-                "queue": {"waiting": self.worker.waiting, "running": self.worker.busy}}
+                "queue": {"waiting": self.worker.waiting, "running": self.worker.busy,
+                          "max_batch": self.max_batch}}
         if self.acceptance is not None:
             body["acceptance"] = self.acceptance
         if self.degraded:

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from ..cli_args import add_spec_args, spec_from_args
 from ..errors import Eagle3Error
+from ..generate.batch import DEFAULT_MAX_BATCH
 from ..runtime.assets import DEFAULT_MODEL
 
 log = logging.getLogger("eagle3.serve")
@@ -30,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' on /v1/* (env EAGLE3_API_KEY)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine before answering 503 (default 64)")
+    p.add_argument("--max-batch", type=int, default=DEFAULT_MAX_BATCH,
+                   help="plain requests decoded together, continuous batching (default "
+                        f"{DEFAULT_MAX_BATCH}: an {DEFAULT_MAX_BATCH}-row forward costs ~1.35x a one-row "
+                        "forward on the bf16 kernels; each slot holds a max-model-len KV cache). "
+                        "1, or a draft (speculation is not batched yet): one sequence at a time")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context length: prompt + max_tokens (default 2048)")
     p.add_argument("--device", default=None, help="cpu | cuda | ... (default: best available)")
@@ -42,8 +48,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse flags, load the engine, run uvicorn until interrupted. Returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_queue < 1 or args.max_model_len < 2:
-        parser.error("--max-queue must be >= 1 and --max-model-len >= 2")
+    if args.max_queue < 1 or args.max_model_len < 2 or args.max_batch < 1:
+        parser.error("--max-queue and --max-batch must be >= 1 and --max-model-len >= 2")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     missing = missing_modules(SERVE_MODULES)
     if missing:             # checked before the model load, which can take minutes
@@ -66,7 +72,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it may use it", args.host)
-    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue)
+    app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
+                     max_batch=args.max_batch)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

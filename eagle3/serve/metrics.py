@@ -9,7 +9,7 @@
 | eagle3:prompt_tokens_total, eagle3:generation_tokens_total | counter | tokens in / out |
 | eagle3:e2e_request_latency_seconds | histogram | arrival -> last token (queue wait included) |
 | eagle3:time_to_first_token_seconds | histogram | arrival -> first token (queue wait included) |
-| eagle3:num_requests_waiting, eagle3:num_requests_running | gauge | queue depth, 0/1 in the engine |
+| eagle3:num_requests_waiting, eagle3:num_requests_running | gauge | queue depth; sequences in the engine (up to --max-batch; vLLM's vllm:num_requests_waiting/running) |
 | eagle3:spec_decode_num_drafts_total | counter | decode steps that verified a draft |
 | eagle3:spec_decode_num_draft_tokens_total | counter | draft tokens proposed (verified by the target) |
 | eagle3:spec_decode_num_accepted_tokens_total | counter | draft tokens accepted |

@@ -1,4 +1,6 @@
-"""An asyncio queue in front of the engine, which serves one sequence at a time in its own thread.
+"""A bounded queue in front of the engine, in its own thread: EngineWorker serves one sequence at a
+time (speculative decoding, or --max-batch 1); BatchWorker (at the end) decodes up to max_batch
+plain sequences together (continuous batching).
 
 Request handlers put Jobs on a bounded asyncio.Queue (full -> QueueFull, answered 503). One consumer
 task takes them in arrival order and runs each in a single worker thread, which iterates
@@ -12,6 +14,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
@@ -145,3 +148,136 @@ class EngineWorker:
                 self.after_job()
             except Exception:
                 log.exception("after-job hook failed")
+
+
+class BatchWorker:
+    """Continuous batching in front of a plain-decoding engine (generate.batch.BatchScheduler).
+
+    Requests wait in a bounded queue (full -> QueueFull, answered 503) until a batch slot is free;
+    one engine thread runs scheduler steps while any request is running, admitting waiting jobs
+    between steps and handing each job its own Chunks (its stream), then END. A job's `cancelled`
+    event is checked before every step: its slot is freed before the next forward.
+    Same interface to the app as EngineWorker (start, stop, submit, waiting, busy, retry_after_s).
+    """
+
+    def __init__(self, engine, max_queue: int, max_batch: int,
+                 after_job: Optional[Callable[[], None]] = None,
+                 on_decode_step: Optional[Callable[[Step], None]] = None):
+        from ..generate.batch import BatchScheduler
+        if max_queue < 1:
+            raise InputError(f"max_queue must be >= 1, got {max_queue}")
+        self.engine, self.max_queue, self.max_batch = engine, max_queue, max_batch
+        self.scheduler = BatchScheduler.from_engine(engine, max_batch)
+        self.after_job, self.on_decode_step = after_job, on_decode_step
+        self.pending: deque[Job] = deque()          # guarded by _wake
+        self.jobs: dict[int, Job] = {}              # request id -> job (engine thread only)
+        self.mean_job_s = 1.0
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread: Optional[threading.Thread] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        self._thread = threading.Thread(target=self._serve, name="eagle3-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """End the engine thread after its current step; every job still open gets END."""
+        if self._thread is None:
+            return
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.to_thread(self._thread.join, 30)
+        with self._wake:
+            left, self.pending = list(self.pending), deque()
+        for job in left + list(self.jobs.values()):
+            job.cancel()
+            job.push(END)
+        self._thread = None
+
+    # ------------------------------------------------------------------ queue
+    @property
+    def waiting(self) -> int:
+        return len(self.pending)
+
+    @property
+    def busy(self) -> int:
+        return len(self.scheduler.running)
+
+    def submit(self, job: Job) -> None:
+        if self._thread is None:
+            raise RuntimeError("the engine worker is not started (run the app with its lifespan)")
+        with self._wake:
+            if len(self.pending) >= self.max_queue:
+                raise QueueFull()
+            self.pending.append(job)
+            self._wake.notify()
+
+    def retry_after_s(self) -> int:
+        # max_batch jobs run at once: the queue drains max_batch times faster than one at a time
+        return int(min(60, max(1, round(self.mean_job_s * (self.waiting / self.max_batch + 1)))))
+
+    # ------------------------------------------------------------------ engine thread
+    def _serve(self) -> None:
+        while self._next_jobs():
+            self._drop_cancelled()
+            try:
+                emitted = self.scheduler.step()
+            except Exception as e:     # handed to every running request, which answers with an error
+                log.exception("batched generation failed")
+                self._fail_running(e)
+                continue
+            for request, chunk in emitted:
+                self._deliver(request, chunk)
+
+    def _next_jobs(self) -> bool:
+        """Wait for work; admit pending jobs into free slots. False once stopping."""
+        with self._wake:
+            while not self._stopping and not self.pending and not self.scheduler.has_work:
+                self._wake.wait()
+            if self._stopping:
+                return False
+            admitted = [self.pending.popleft()
+                        for _ in range(min(len(self.pending), self.scheduler.free_slots))]
+        for job in admitted:
+            if job.cancelled.is_set():
+                job.push(END)
+                continue
+            try:
+                request = self.scheduler.add(job.prompt_ids, job.params)
+            except Exception as e:     # checked by the app already: a request the engine refuses
+                job.push(e)
+                job.push(END)
+                continue
+            self.jobs[request.id] = job
+        return True
+
+    def _drop_cancelled(self) -> None:
+        for request in list(self.scheduler.running):
+            if self.jobs[request.id].cancelled.is_set():
+                self.scheduler.cancel(request)
+                self._finish(request)
+
+    def _deliver(self, request, chunk: Chunk) -> None:
+        if len(request.steps) > 1 and self.on_decode_step is not None:   # steps[0]: the prefill
+            self.on_decode_step(chunk.step)
+        self.jobs[request.id].push(chunk)
+        if request.done:
+            self._finish(request)
+
+    def _fail_running(self, e: Exception) -> None:
+        for request in list(self.scheduler.running):
+            self.jobs[request.id].push(e)
+            self.scheduler.cancel(request)
+            self._finish(request)
+
+    def _finish(self, request) -> None:
+        job = self.jobs.pop(request.id)
+        self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.arrived)
+        if self.after_job is not None:
+            try:
+                self.after_job()
+            except Exception:
+                log.exception("after-job hook failed")
+        job.push(END)

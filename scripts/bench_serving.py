@@ -1,0 +1,279 @@
+"""Serving throughput and latency of `eagle3 serve` under concurrent streaming clients (issue #18).
+
+    python scripts/bench_serving.py [--model M] [--weights bf16|fp32|gguf|auto] [--max-batch 1,8]
+        [--clients 1,4,16] [--tokens 128] [--temperatures 0,1] [--prompts 32] [--out DIR]
+        [--url http://host:port]
+
+For each --max-batch value it starts `eagle3 serve --draft none --max-batch B` as a child process
+(or benches the server at --url, once), warms it up, then for each client count N and temperature
+sends the first --prompts MT-bench questions (eagle3.bench.workload, round-robin over categories)
+over the OpenAI chat API, streamed, at most N in flight (each client takes the next prompt when its
+last one ends), --tokens new tokens each (ignore_eos, so every request is the same length; T > 0
+seeded per prompt). Prints one table per run: aggregate tokens/s (all completion tokens / wall
+time), TTFT and inter-token latency p50/p99 (gaps between streamed content chunks), end-to-end p50,
+and tokens/s against --max-batch 1 for the same clients and temperature where it ran; saves
+serving.json and serving.png under --out. Run it on a quiet machine: the clients share the cores.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL_NAME = "bench"
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    prompt: int
+    tokens: int                  # completion tokens (the usage block)
+    ttft_s: float                # sent -> first content chunk
+    gaps_s: list[float]          # between successive content chunks
+    e2e_s: float
+
+
+@dataclass(frozen=True)
+class Result:
+    max_batch: Optional[int]     # None: an external server (--url)
+    clients: int
+    temperature: float
+    requests: int
+    tokens: int
+    wall_s: float
+    tokens_per_s: float
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+    e2e_p50_s: float
+    vs_batch1: Optional[float] = None
+
+
+# ---------------------------------------------------------------------------- one request
+async def stream_request(client: httpx.AsyncClient, url: str, text: str, tokens: int,
+                         temperature: float, seed: int, index: int) -> RequestTiming:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}], "stream": True,
+            "max_tokens": tokens, "temperature": temperature, "seed": seed, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    used = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise RuntimeError(f"request {index}: HTTP {resp.status_code}: {await resp.aread()!r}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                continue
+            event = json.loads(line[5:])
+            if event.get("usage"):
+                used = event["usage"]["completion_tokens"]
+            if any((c.get("delta") or {}).get("content") for c in event.get("choices", [])):
+                stamps.append(time.perf_counter())
+    end = time.perf_counter()
+    if not stamps:
+        raise RuntimeError(f"request {index}: no content streamed")
+    return RequestTiming(index, used, stamps[0] - t0, [b - a for a, b in zip(stamps, stamps[1:])],
+                         end - t0)
+
+
+async def run_clients(url: str, prompts: list[str], clients: int, tokens: int,
+                      temperature: float) -> tuple[list[RequestTiming], float]:
+    """All prompts, at most `clients` in flight; (timings, wall seconds)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    for i, text in enumerate(prompts):
+        queue.put_nowait((i, text))
+    timings: list[RequestTiming] = []
+    limits = httpx.Limits(max_connections=clients + 1)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        async def worker() -> None:
+            while not queue.empty():
+                i, text = queue.get_nowait()
+                timings.append(await stream_request(client, url, text, tokens, temperature, i, i))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return sorted(timings, key=lambda t: t.prompt), wall
+
+
+# ---------------------------------------------------------------------------- statistics
+def percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]); nan for no data."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def summarize(timings: list[RequestTiming], wall: float, max_batch: Optional[int], clients: int,
+              temperature: float) -> Result:
+    tokens = sum(t.tokens for t in timings)
+    ttft = [t.ttft_s * 1000 for t in timings]
+    gaps = [g * 1000 for t in timings for g in t.gaps_s]
+    return Result(max_batch, clients, temperature, len(timings), tokens, round(wall, 3),
+                  round(tokens / wall, 2), round(percentile(ttft, 50), 1), round(percentile(ttft, 99), 1),
+                  round(percentile(gaps, 50), 1), round(percentile(gaps, 99), 1),
+                  round(statistics.median(t.e2e_s for t in timings), 3))
+
+
+def with_baseline(results: list[Result]) -> list[Result]:
+    """tokens/s over --max-batch 1's for the same clients and temperature, where it ran."""
+    base = {(r.clients, r.temperature): r.tokens_per_s for r in results if r.max_batch == 1}
+    return [Result(**{**asdict(r), "vs_batch1": round(r.tokens_per_s / base[(r.clients, r.temperature)], 2)})
+            if (r.clients, r.temperature) in base else r for r in results]
+
+
+def table(results: list[Result]) -> str:
+    head = (f"{'batch':>5} {'clients':>7} {'T':>3} {'reqs':>4} {'tok/s':>8} {'vs b1':>6} "
+            f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'e2e p50':>8}")
+    lines = [head, "-" * len(head)]
+    for r in results:
+        vs = f"{r.vs_batch1:.2f}x" if r.vs_batch1 is not None else "-"
+        lines.append(f"{r.max_batch if r.max_batch is not None else 'url':>5} {r.clients:>7} "
+                     f"{r.temperature:>3g} {r.requests:>4} {r.tokens_per_s:>8.1f} {vs:>6} "
+                     f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>5.0f}ms {r.itl_p50_ms:>6.1f}ms "
+                     f"{r.itl_p99_ms:>5.1f}ms {r.e2e_p50_s:>7.2f}s")
+    return "\n".join(lines)
+
+
+def save_plot(results: list[Result], path: Path) -> Path:
+    """tokens/s, TTFT p50 and ITL p50 against clients: one line per (max_batch, temperature)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    series = sorted({(r.max_batch or 0, r.temperature) for r in results})
+    for batch, temp in series:
+        rs = sorted((r for r in results if (r.max_batch or 0) == batch and r.temperature == temp),
+                    key=lambda r: r.clients)
+        label = f"{'max-batch ' + str(batch) if batch else 'url'} T={temp:g}"
+        x = [r.clients for r in rs]
+        for ax, ys in zip(axes, ([r.tokens_per_s for r in rs], [r.ttft_p50_ms for r in rs],
+                                 [r.itl_p50_ms for r in rs])):
+            ax.plot(x, ys, marker="o", label=label)
+    for ax, name in zip(axes, ("aggregate tokens/s", "TTFT p50 (ms)", "inter-token latency p50 (ms)")):
+        ax.set(xlabel="concurrent streaming clients", ylabel=name, title=name)
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------- the server
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
+    """`eagle3 serve` from this checkout as a child process; (process, url) once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, "-c", "import sys; from eagle3.cli import main; sys.exit(main())", "serve",
+           "--draft", "none", "--max-batch", str(max_batch), "--port", str(port),
+           "--weights", args.weights, "--max-model-len", str(args.max_model_len),
+           "--served-model-name", MODEL_NAME, "--max-queue", str(max(64, args.prompts)),
+           "--log-level", "warning"]
+    if args.model:
+        cmd += ["--model", args.model]
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"eagle3 serve exited with status {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.terminate()
+    raise SystemExit(f"eagle3 serve did not answer /health within {args.start_timeout} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def bench_server(args, url: str, max_batch: Optional[int], prompts: list[str]) -> list[Result]:
+    asyncio.run(run_clients(url, prompts[:1], 1, min(16, args.tokens), 0.0))       # warm-up
+    results = []
+    for temp in args.temperatures:
+        for clients in args.clients:
+            timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
+            results.append(summarize(timings, wall, max_batch, clients, temp))
+            print(table(results[-1:]).splitlines()[-1], flush=True)
+    return results
+
+
+# ---------------------------------------------------------------------------- main
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="target (default: the packaged SmolLM2-135M)")
+    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"], default="bf16",
+                   help="the server's --weights (default bf16)")
+    p.add_argument("--max-batch", type=int_list, default=[1, 8],
+                   help="server --max-batch values, one server each (default 1,8: 1 is the baseline)")
+    p.add_argument("--clients", type=int_list, default=[1, 4, 16])
+    p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
+    p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
+    p.add_argument("--prompts", type=int, default=32, help="MT-bench questions per run")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--url", default=None, help="bench this running server instead (model name "
+                                               f"'{MODEL_NAME}' or any it accepts)")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "serving")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from eagle3.bench.workload import workload_questions
+    prompts = [q.text for q in workload_questions("mtbench", args.prompts)]
+    results: list[Result] = []
+    if args.url:
+        results = bench_server(args, args.url.rstrip("/"), None, prompts)
+    for batch in ([] if args.url else args.max_batch):
+        proc, url = start_server(args, batch)
+        try:
+            results += bench_server(args, url, batch, prompts)
+        finally:
+            stop_server(proc)
+    results = with_baseline(results)
+    print(f"\n{len(prompts)} MT-bench prompts x {args.tokens} tokens, {args.weights} weights, "
+          f"{os.cpu_count()} CPUs\n" + table(results))
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    (args.out / "serving.json").write_text(json.dumps(
+        {"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
+    plot = save_plot(results, args.out / "serving.png")
+    print(f"saved {args.out / 'serving.json'} and {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,464 @@
+"""Continuous batching: the slotted KV cache, the batched forward over the rows of several
+sequences (each equal to its sequence run alone), the scheduler and the batched server path."""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+
+from eagle3.errors import InputError
+from eagle3.models.kv_cache import SlotCache
+from eagle3.runtime.backend import choose_backend
+from eagle3.runtime.target import build_target
+
+from spec_helpers import tiny_target
+
+
+# ---------------------------------------------------------------------------- the slotted cache
+def test_slot_cache_plans_each_block_at_its_own_length():
+    cache = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=8, slots=3)
+    a, b = cache.allocate(), cache.allocate()
+    cache.lengths[a] = 5
+    rows = cache.plan([(b, 3), (a, 1)])
+    assert rows.slot.tolist() == [b, b, b, a]
+    assert rows.index.tolist() == [0, 1, 2, 5] and rows.positions.tolist() == [0, 1, 2, 5]
+    assert rows.keys.tolist() == [1, 2, 3, 6]           # causal: each row sees its prefix
+    assert rows.last.tolist() == [2, 3]
+    cache.commit(rows)
+    assert cache.lengths[a] == 6 and cache.lengths[b] == 3
+
+
+def test_slot_cache_frees_a_slot_at_once_and_names_misuse():
+    cache = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=4, slots=2)
+    a, b = cache.allocate(), cache.allocate()
+    with pytest.raises(InputError, match="no free KV cache slot"):
+        cache.allocate()
+    cache.lengths[a] = 3
+    cache.release(a)
+    assert cache.allocate() == a and cache.lengths[a] == 0
+    with pytest.raises(InputError, match="overflow"):
+        cache.plan([(b, 5)])
+    with pytest.raises(InputError, match="twice"):
+        cache.plan([(b, 1), (b, 1)])
+    cache.release(b)
+    with pytest.raises(InputError, match="slot 1 is not in use"):
+        cache.plan([(b, 1)])
+
+
+# ---------------------------------------------------------------------------- the batched forward
+LAYOUTS = {  # name -> (weight dtype, row-stable, backend switches, bit for bit)
+    "fp32": (torch.float32, False, {}, False),
+    "bf16-row-stable": (torch.bfloat16, True, {}, True),
+    "bf16-row-stable-torch-rope": (torch.bfloat16, True, {"fused_rope": False}, True),
+}
+
+
+def layout(model, name):
+    dtype, stable, switches, _ = LAYOUTS[name]
+    return build_target(model, backend=replace(choose_backend("cpu", dtype, stable), **switches))
+
+
+def alone_logits(target, tokens: list[int], prompt: int) -> dict[int, torch.Tensor]:
+    """Logits at every position of `tokens` run alone: a prefill of `prompt` tokens (all rows'
+    logits), then one-token decode steps. {position: [V]}"""
+    cache = target.new_cache(len(tokens))
+    ids = torch.tensor([tokens])
+    out = target(ids[:, :prompt], torch.arange(prompt), cache).logits[0]
+    got = {p: out[p] for p in range(prompt)}
+    for p in range(prompt, len(tokens)):
+        got[p] = target(ids[:, p:p + 1], torch.tensor([p]), cache).logits[0, 0]
+    return got
+
+
+def run_batched(target, seqs: list[list[int]], schedule: list[list[tuple[int, int]]]):
+    """Feed `seqs` through forward_rows as `schedule` says: per forward, (sequence, rows) blocks.
+    Returns {(sequence, position): logits of that block's last row}."""
+    cache = target.new_slot_cache(max(map(len, seqs)), slots=len(seqs) + 1)
+    cache.allocate()                           # slot 0 stays empty: slots need not be 0..n-1
+    slots = [cache.allocate() for _ in seqs]
+    fed = [0] * len(seqs)
+    got = {}
+    for blocks in schedule:
+        rows = cache.plan([(slots[i], n) for i, n in blocks])
+        ids = torch.tensor([t for i, n in blocks for t in seqs[i][fed[i]:fed[i] + n]])
+        logits = target.forward_rows(ids, rows, cache)
+        for (i, n), row in zip(blocks, logits):
+            fed[i] += n
+            got[(i, fed[i] - 1)] = row
+    return got
+
+
+# three sequences of different lengths: chunked prefills interleaved with decode rows, one
+# sequence joining late and one leaving early
+SEQS_LEN = [9, 15, 6]
+SCHEDULE = [[(0, 5), (1, 7)], [(0, 1), (1, 4)], [(0, 1), (1, 1), (2, 4)], [(1, 1), (0, 1), (2, 1)],
+            [(2, 1), (1, 1), (0, 1)], [(1, 1)]]
+PROMPTS = [5, 11, 4]
+
+
+def check_batched_equals_alone(target, bit_for_bit: bool, seed: int = 0) -> int:
+    g = torch.Generator().manual_seed(seed)
+    seqs = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in SEQS_LEN]
+    batched = run_batched(target, seqs, SCHEDULE)
+    for i, (seq, prompt) in enumerate(zip(seqs, PROMPTS)):
+        alone = alone_logits(target, seq, prompt)
+        for (j, pos), logits in batched.items():
+            if j != i:
+                continue
+            if bit_for_bit:
+                assert torch.equal(logits, alone[pos]), (i, pos)
+            else:
+                assert torch.allclose(logits, alone[pos], atol=1e-5), (i, pos)
+    return len(batched)
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_batched_rows_equal_each_sequence_alone(name, one_thread):
+    """Every block's last-row logits in a batched forward equal its sequence's own forward at
+    that position: bit for bit on the row-stable bf16 layout, within 1e-5 on fp32."""
+    target = layout(tiny_target(layers=3), name)
+    assert check_batched_equals_alone(target, LAYOUTS[name][3]) == sum(len(s) for s in SCHEDULE)
+
+
+@pytest.mark.lossless
+def test_batched_rows_equal_alone_with_qk_norm(tmp_path, one_thread):
+    """Qwen3 (q/k norm, head_dim 24): rotary and the cache write run as torch ops per row."""
+    from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
+    model = native_from_hf(hf_model_from_dict(FAMILIES["qwen3"]), tmp_path)
+    check_batched_equals_alone(layout(model, "bf16-row-stable"), bit_for_bit=True)
+
+
+@pytest.mark.lossless
+def test_batched_rows_equal_alone_on_the_real_model(real_model):
+    """The packaged SmolLM2 in the layout load_engine builds (bf16, row-stable), a few steps."""
+    model, _, _ = real_model
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    check_batched_equals_alone(target, bit_for_bit=True, seed=3)
+
+
+def test_forward_rows_names_a_token_count_mismatch():
+    target = layout(tiny_target(layers=1), "fp32")
+    cache = target.new_slot_cache(8, slots=1)
+    rows = cache.plan([(cache.allocate(), 2)])
+    with pytest.raises(ValueError, match="3 tokens, rows plan 2"):
+        target.forward_rows(torch.tensor([1, 2, 3]), rows, cache)
+
+
+def test_row_kernels_name_an_index_outside_the_cache():
+    from eagle3 import kernels
+    built = kernels.state().module
+    if built is None:
+        pytest.skip(f"kernels not built here: {kernels.why()}")
+    q, k = torch.randn(1, 4, 2, 64), torch.zeros(3, 2, 8, 64)
+    with pytest.raises(RuntimeError, match=r"keys_of_row\[1\] = 9 outside \[1, 8\]"):
+        built.attention(q, k, k, None, torch.tensor([0, 2]), torch.tensor([1, 9]))
+    with pytest.raises(RuntimeError, match=r"slot_of_row\[0\] = 3 outside \[0, 2\]"):
+        built.rope_qkv(torch.randn(2, 8 * 64), torch.ones(1, 1, 2, 64), torch.zeros(1, 1, 2, 64),
+                       k, k.clone(), 0, 4, 2, torch.tensor([3, 0]), torch.tensor([0, 1]))
+
+
+# ---------------------------------------------------------------------------- the scheduler
+CTX = 160
+
+
+@pytest.fixture(scope="module")
+def served_target():
+    """The tiny served target (real tokenizer's vocabulary) in the row-stable bf16 layout."""
+    from serve_fixtures import tiny_target as served
+    return build_target(served(), torch.bfloat16, row_stable=True)
+
+
+@pytest.fixture(scope="module")
+def alone(served_target):
+    from eagle3.generate import Engine
+    from serve_fixtures import tokenizer
+    return Engine(served_target, tokenizer(), max_model_len=CTX)
+
+
+def scheduler(engine, **kw):
+    from eagle3.generate.batch import BatchScheduler
+    return BatchScheduler.from_engine(engine, **kw)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def drain(sched, steps_before: int = 10_000, on_step=None) -> dict:
+    """Step until idle; {request id: [chunks]} (on_step(step number, emitted) may intervene)."""
+    chunks: dict = {}
+    for n in range(steps_before):
+        if not sched.has_work:
+            break
+        assert len(sched.running) <= sched.max_batch
+        emitted = sched.step()
+        for e in emitted:
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+        if on_step is not None:
+            on_step(n, emitted)
+    return chunks
+
+
+def check_equals_alone(alone, req, chunks) -> None:
+    want = alone.generate(prompt_ids=req.prompt_ids, params=req.params)
+    result = chunks[-1].result
+    assert result is not None and chunks[-1].finish_reason == want.finish_reason
+    assert result.token_ids == want.token_ids and [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert result.text == want.text and "".join(c.text for c in chunks) == want.text
+
+
+def test_each_request_in_a_batch_equals_its_output_alone(alone, one_thread):
+    """Mixed prompt lengths (one chunked), greedy and seeded sampling, stop strings and max
+    tokens; more requests than slots, so requests join as others finish."""
+    from eagle3.generate import SamplingParams
+    stop_text = alone.generate(prompt_ids=prompt(7, 5), params=SamplingParams(max_new_tokens=12)).text
+    params = [SamplingParams(max_new_tokens=9),
+              SamplingParams(temperature=1.0, seed=7, max_new_tokens=14),
+              SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=3, max_new_tokens=6),
+              SamplingParams(max_new_tokens=12, stop=(stop_text[4:7],)),
+              SamplingParams(temperature=1.0, seed=11, max_new_tokens=11, ignore_eos=True)]
+    lengths = [3, 40, 12, 7, 1]
+    sched = scheduler(alone, max_batch=3, prefill_chunk=16)
+    reqs = [sched.add(prompt(n, seed=i if i != 3 else 5), p) for i, (n, p) in enumerate(zip(lengths, params))]
+    chunks = drain(sched)
+    assert sched.cache.num_free == 3
+    for req in reqs:
+        check_equals_alone(alone, req, chunks[req.id])
+    assert chunks[reqs[3].id][-1].finish_reason == "stop"
+
+
+def test_cancel_mid_batch_frees_the_slot_at_once(alone, one_thread):
+    from eagle3.generate import SamplingParams
+    sched = scheduler(alone, max_batch=2)
+    a, b, c = (sched.add(prompt(5, seed=i), SamplingParams(max_new_tokens=8)) for i in range(3))
+
+    def cancel_b(n, emitted):
+        if n == 2:
+            assert b.slot is not None and sched.cache.num_free == 0 and c in sched.waiting
+            sched.cancel(b)
+            assert b.slot is None and sched.cache.num_free == 1 and b not in sched.running
+
+    chunks = drain(sched, on_step=cancel_b)
+    assert len(chunks[b.id]) == 3 and chunks[b.id][-1].result is None and b.finish == "cancelled"
+    for req in (a, c):
+        check_equals_alone(alone, req, chunks[req.id])
+    assert sched.cache.num_free == 2
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(alone, one_thread):
+    """Two requests decoding; a 70-token prompt joins: over its 5 prefill steps (16 tokens each)
+    both decoders still get a token every step; its first token comes with the last chunk."""
+    from eagle3.generate import SamplingParams
+    sched = scheduler(alone, max_batch=3, prefill_chunk=16)
+    a, b = (sched.add(prompt(4, seed=i), SamplingParams(max_new_tokens=30, ignore_eos=True))
+            for i in range(2))
+    chunks: dict = {}
+
+    def step() -> set:
+        emitted = sched.step()
+        for e in emitted:
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+        return {e.request.id for e in emitted}
+
+    step()                                        # both prompts in one forward
+    long = sched.add(prompt(70, seed=9), SamplingParams(max_new_tokens=5))
+    fed = []
+    for _ in range(4):
+        assert step() == {a.id, b.id}             # the decoders' tokens keep coming
+        fed.append(long.fed)
+    assert fed == [16, 32, 48, 64]
+    assert step() == {a.id, b.id, long.id} and long.fed == 70
+    while sched.has_work:
+        step()
+    for req in (a, b, long):
+        check_equals_alone(alone, req, chunks[req.id])
+
+
+# ---------------------------------------------------------------------------- the server
+class SlowTarget:
+    """A target whose batched forward sleeps first (requests stay in the batch long enough)."""
+
+    def __init__(self, inner, delay_s: float):
+        self.inner, self.delay_s = inner, delay_s
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def forward_rows(self, *args):
+        time.sleep(self.delay_s)
+        return self.inner.forward_rows(*args)
+
+
+def batched_app(target, max_batch: int, max_queue: int = 64, delay_s: float = 0.0,
+                name: str = "tiny"):
+    from eagle3.generate import Engine
+    from eagle3.serve import create_app
+    from serve_fixtures import tokenizer
+    served = SlowTarget(target, delay_s) if delay_s else target
+    return create_app(Engine(served, tokenizer(), max_model_len=CTX), model_name=name,
+                      max_queue=max_queue, max_batch=max_batch)
+
+
+def gauges(url: str) -> dict[str, float]:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+            if not s.labels}
+
+
+def test_served_concurrent_requests_each_get_their_own_output(served_target, alone):
+    """Six concurrent requests (chat and completions, streamed and not, greedy and seeded) on
+    --max-batch 3: each answer equals the engine's output alone, and requests shared steps."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from eagle3.generate import SamplingParams
+    from eagle3.serve.queue import BatchWorker
+    from serve_fixtures import RunningServer
+    cases = [(f"Question {i}: say something about {i * 7}." + " more" * (i * 9), i % 2 == 0,
+              SamplingParams(temperature=0.0 if i % 3 else 0.9, seed=i, max_new_tokens=10 + 3 * i))
+             for i in range(6)]
+    refs = [alone.generate(messages=[{"role": "user", "content": text}], params=p).text
+            for text, _, p in cases]
+    app = batched_app(served_target, max_batch=3)
+    worker = app.state.server.worker
+    assert isinstance(worker, BatchWorker)
+    running_seen = []
+    step = worker.scheduler.step
+    worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
+
+    def ask(case) -> str:
+        text, stream, p = case
+        kw = dict(model="tiny", messages=[{"role": "user", "content": text}], stream=stream,
+                  max_tokens=p.max_new_tokens, temperature=p.temperature, seed=p.seed)
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].message.content
+        return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw)
+                       if c.choices)
+
+    with RunningServer(app) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(ask, cases))
+        g = gauges(s.url)
+    assert answers == refs
+    assert max(running_seen) == 3                     # requests were decoded together
+    assert g["eagle3:num_requests_running"] == 0 and g["eagle3:num_requests_waiting"] == 0
+
+
+def test_served_batch_gauges_queue_full_and_cancel(served_target):
+    """max_batch 2, max_queue 1: two streams run, a third waits (the gauges say so), a fourth gets
+    503; closing a stream frees its slot and the waiting request is served."""
+    import httpx
+
+    from serve_fixtures import RunningServer
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
+    app = batched_app(served_target, max_batch=2, max_queue=1, delay_s=0.05)
+    with RunningServer(app) as s:
+        streams = []
+        for _ in range(2):
+            http = httpx.Client(timeout=30)
+            resp = http.send(http.build_request("POST", s.url + "/v1/chat/completions",
+                                                json={**body, "max_tokens": 120, "stream": True}),
+                             stream=True)
+            lines = resp.iter_lines()
+            assert next(ln for ln in lines if ln.startswith("data:"))
+            streams.append((http, resp, lines))
+        assert gauges(s.url)["eagle3:num_requests_running"] == 2
+        queued = {}
+        t = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
+            s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60)))
+        t.start()
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_waiting"] == 1)
+        full = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=30)
+        assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
+        assert int(full.headers["retry-after"]) >= 1
+        http, resp, _ = streams.pop(0)
+        t_close = time.perf_counter()
+        resp.close()
+        http.close()
+        t.join(timeout=30)                            # served while the other stream runs
+        assert time.perf_counter() - t_close < 3.0    # not after the 120 tokens (~6 s) it had left
+        assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 4
+        assert next(ln for ln in streams[0][2] if ln.startswith("data:"))   # still streaming
+        assert gauges(s.url)["eagle3:num_requests_running"] == 1
+        http, resp, _ = streams.pop()
+        resp.close()
+        http.close()
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_running"] == 0)
+
+
+def wait_for(cond, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_batching_is_refused_where_it_does_not_apply(served_target):
+    """A speculative engine, or a target without a batched forward, serves one sequence at a time
+    and its startup line says why."""
+    from eagle3.serve.app import batch_mode
+    from serve_fixtures import GroupedEngine, tiny_target, tokenizer
+    spec = GroupedEngine(served_target, tokenizer(), max_model_len=CTX)
+    assert batch_mode(spec, 8)[0] == 1 and "speculative decoding is not batched" in batch_mode(spec, 8)[1]
+    from eagle3.generate import Engine
+    reference = Engine(tiny_target(), tokenizer(), max_model_len=CTX)      # a reference LlamaModel
+    assert batch_mode(reference, 8)[0] == 1 and "no batched forward" in batch_mode(reference, 8)[1]
+    assert batch_mode(Engine(served_target, tokenizer(), max_model_len=CTX), 8)[0] == 8
+
+
+# ---------------------------------------------------------------------------- the serving bench
+def test_serving_bench_measures_streamed_requests(served_target):
+    """scripts/bench_serving.py's clients and statistics against the batched app in-process:
+    every request streams its tokens, the figures come from the timings (2 clients x 6 tokens)."""
+    import importlib.util
+    from pathlib import Path
+
+    from serve_fixtures import RunningServer
+    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = bench          # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    prompts = ["Name a colour.", "Count to three.", "Say hello."]
+    with RunningServer(batched_app(served_target, max_batch=2, name=bench.MODEL_NAME)) as s:
+        timings, wall = asyncio_run(bench.run_clients(s.url, prompts, 2, 6, 1.0))
+    assert [t.prompt for t in timings] == [0, 1, 2] and all(t.tokens == 6 for t in timings)
+    assert all(0 < t.ttft_s <= t.e2e_s <= wall for t in timings)
+    assert all(len(t.gaps_s) >= 1 for t in timings)
+    r = bench.summarize(timings, wall, 2, 2, 1.0)
+    assert r.tokens == 18 and r.tokens_per_s == round(18 / wall, 2) and r.requests == 3
+    base = bench.Result(**{**bench.asdict(r), "max_batch": 1, "tokens_per_s": r.tokens_per_s / 2})
+    assert bench.with_baseline([base, r])[1].vs_batch1 == 2.0
+    assert bench.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
+    assert bench.percentile([float(i) for i in range(1, 101)], 99) == 99.0
+
+
+def asyncio_run(coro):
+    import asyncio
+    return asyncio.run(coro)
+
+
+@pytest.mark.lossless
+def test_batched_rows_equal_alone_on_gguf_codes(one_thread):
+    """A target running GGUF integer codes (--weights gguf, row-stable) batches bit for bit too."""
+    import copy
+
+    from eagle3 import kernels
+    if kernels.quant_linear() is None:
+        pytest.skip(f"no quantized kernels: {kernels.why()}")
+    from test_quant import gguf_tiny_target
+    model, codes = gguf_tiny_target("Q4_1")
+    target = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes)
+    assert all(l.quant_types for l in target.linears)
+    check_batched_equals_alone(target, bit_for_bit=True)
