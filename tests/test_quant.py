@@ -233,3 +233,15 @@ def test_the_packaged_ggufs_codes_give_the_exact_models_logits(real_model):
     layout(ids[:, :-1], pos[:, :-1], cache)
     one = layout(ids[:, -1:], pos[:, -1:], cache).logits        # a decode row: the same bits
     assert torch.equal(one[0, -1], got[0, -1])
+
+
+@needs_kernels
+def test_the_cost_table_of_the_codes_is_not_the_fp32_layouts():
+    """The adaptive step's cost table is cached per layout: the codes' verify costs grow faster with
+    rows than fp32's (compute-bound dequantisation), so sharing a table would mislead the policy."""
+    from eagle3.runtime.costs import cost_key
+    model, codes = gguf_tiny_target("Q4_1")
+    on_codes = build_target(model, torch.float32, row_stable=True, gguf=codes)
+    fp32 = build_target(model, torch.float32, row_stable=True)
+    assert on_codes.weights_name == "gguf:Q4_1" and fp32.weights_name == "torch.float32"
+    assert cost_key(on_codes, None) != cost_key(fp32, None)

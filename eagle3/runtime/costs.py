@@ -124,6 +124,7 @@ def cost_key(target, draft) -> str:
     cfg = target.config
     parts = [platform.machine(), cpu_name(), str(torch.get_num_threads()),
              getattr(backend, "name", "reference"), str(getattr(backend, "weight_dtype", "")),
+             str(getattr(backend, "row_stable", "")), getattr(target, "weights_name", ""),
              f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"]
     if draft is not None:
         dcfg = draft.config

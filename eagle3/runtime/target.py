@@ -41,6 +41,12 @@ class InferenceTarget:
         return self.backend.device
 
     @property
+    def weights_name(self) -> str:
+        """What the linears run: "gguf:<types>" on the file's codes, else the weight dtype."""
+        types = sorted({t for l in self.linears for t in l.quant_types})
+        return "gguf:" + "+".join(types) if types else str(self.backend.weight_dtype)
+
+    @property
     def linears(self) -> list[PackedLinear]:
         return [l for layer in self.layers for l in layer.linears] + [self.lm_head]
 
