@@ -222,6 +222,8 @@ def test_the_packaged_ggufs_codes_give_the_exact_models_logits(real_model):
     model, _, src = real_model
     codes = load_gguf_codes(src.gguf, src.hf_dir, model)       # checked against the model on a first read
     assert {qc.ggml_type for qc in codes.codes.values()} == {"Q4_1", "Q8_0"}
+    # the cached codes sit beside the model directory: vLLM loads every *.safetensors in it
+    assert sorted(p.name for p in src.hf_dir.glob("*.safetensors")) == ["model.safetensors"]
     layout = build_target(model, torch.float32, row_stable=True, gguf=codes)
     assert all(l.quant_types for l in layout.linears)
     ids = torch.tensor([[1, 504, 3458, 314, 260, 1345, 30, 2056, 17, 28, 29, 1064, 90, 27, 3]])

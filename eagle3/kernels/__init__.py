@@ -157,7 +157,7 @@ def pack_quant(parts: list) -> torch.Tensor:
 
     parts: one per run of outputs, each (kind, block, codes [O, I], scales [O, I/block] fp32,
     offsets [O, I/block] fp32 or None): kind 4 = codes 0..15 and w = scale * code + offset,
-    kind 8 = int8 codes and w = scale * code. Scales and offsets are stored in fp16 where that is
+    kind 5 = codes -16..15 (5 bits) and kind 8 = int8 codes, both w = scale * code. Scales and offsets are stored in fp16 where that is
     exact, else fp32."""
     in_features = parts[0][2].shape[1]
     header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts)]
@@ -174,6 +174,16 @@ def pack_quant(parts: list) -> torch.Tensor:
     for start, blob in blobs:
         out[start:start + blob.numel()] = blob
     return out
+
+
+def _words(values: torch.Tensor, groups: int, blocks: int, zmms: int, bits: int) -> torch.Tensor:
+    """[O, I] small ints -> per (group, block) `zmms` x 16 uint32 lanes (lane o = output o), each
+    holding 32 / zmms inputs of `bits` bits, input j of a word in bits bits*j..; as bytes."""
+    per = 32 // zmms
+    v = values.view(groups, QUANT_LANES, blocks, zmms, per).permute(0, 2, 3, 1, 4)
+    words = (v << (bits * torch.arange(per))).sum(-1)
+    words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)        # the same 32 bits as int32
+    return words.to(torch.int32).contiguous().view(groups, blocks, zmms * QUANT_LANES).view(torch.uint8)
 
 
 def _align(n: int) -> int:
@@ -193,12 +203,11 @@ def _records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tensor,
     lanes = [torch.nn.functional.pad(f, (0, 0, 0, pad)).to(scale_dtype)
              .view(groups, QUANT_LANES, blocks).transpose(1, 2).contiguous().view(groups, blocks, -1)
              .view(torch.uint8) for f in factors]
-    if kind == 4:   # zmm k, lane o: a uint32 of the codes of inputs 8k..8k+7, input 8k+j in bits 4j..
-        c = codes.to(torch.int64).view(groups, QUANT_LANES, blocks, 4, 8).permute(0, 2, 3, 1, 4)
-        words = (c << (4 * torch.arange(8))).sum(-1)
-        words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)    # the same 32 bits as int32
-        nibbles = words.to(torch.int32).contiguous().view(groups, blocks, 4 * QUANT_LANES).view(torch.uint8)
-        recs = torch.cat([nibbles] + lanes, dim=-1)
+    if kind in (4, 5):   # zmm k, lane o: a uint32 of the codes of inputs 8k..8k+7, input 8k+j in bits 4j..
+        c = codes.to(torch.int64) + (16 if kind == 5 else 0)              # kind 5: codes -16..15 -> 0..31
+        nibbles = _words(c & 0x0F, groups, blocks, 4, 4)
+        high = [_words(c >> 4, groups, blocks, 1, 1)] if kind == 5 else []  # lane o: bit j = input j's
+        recs = torch.cat([nibbles] + high + lanes, dim=-1)
     else:           # input-major int8: 16 outputs per input
         c = codes.to(torch.int8).view(groups, QUANT_LANES, blocks, block).permute(0, 2, 3, 1)
         recs = torch.cat([c.contiguous().view(groups, blocks, -1).view(torch.uint8)] + lanes, dim=-1)

@@ -493,7 +493,9 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 //   kind 4 (Q4_0, Q4_1, Q4_K): 32 inputs, 4-bit codes c, w = scale * c + offset.
 //       4 x 64 bytes: zmm k, lane o = 8 codes of output o (inputs 8k..8k+7, input 8k+j in bits
 //       4j..4j+3); then 16 scales and 16 offsets (fp16 where the file's are exact in fp16, else fp32)
-//   kind 8 (Q8_0, Q5_0 block 32; Q6_K block 16): int8 codes c, w = scale * c.
+//   kind 5 (Q5_0): 32 inputs, 5-bit codes c, w = scale * (c - 16): the nibbles as kind 4, then
+//       64 bytes (zmm lane o: bit j = input j's fifth bit), then 16 scales
+//   kind 8 (Q8_0 block 32; Q6_K block 16): int8 codes c, w = scale * c.
 //       block x 16 int8 (input-major, lane o = output o); then 16 scales
 // Per block and row: dot = sum_j x_j c_j (fp32 FMA, kChains interleaved partial sums), then
 // acc = scale * dot (+ offset * sum_j x_j) (the block's input sum, computed once per row): the
@@ -520,7 +522,7 @@ std::vector<QuantSeg> quant_segments(const torch::Tensor& packed, int64_t in_fea
   for (int64_t s = 0; s < h[1]; ++s) {
     const int64_t* e = h + 4 + 6 * s;
     QuantSeg g{e[0], e[1], e[2], e[3], e[4], e[5], out0, group0};
-    TORCH_CHECK((g.kind == 4 && g.block == 32) || (g.kind == 8 && (g.block == 32 || g.block == 16)),
+    TORCH_CHECK(((g.kind == 4 || g.kind == 5) && g.block == 32) || (g.kind == 8 && (g.block == 32 || g.block == 16)),
                 "packed quantized weight: kind ", g.kind, " with block ", g.block, " has no kernel");
     TORCH_CHECK(g.scale_bytes == 2 || g.scale_bytes == 4, "scale bytes ", g.scale_bytes);
     TORCH_CHECK(in_features % g.block == 0, "input width ", in_features, " not a multiple of block ", g.block);
@@ -591,6 +593,45 @@ void q4_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
 
+// MT rows against one group of 16 outputs of a kind-5 segment (Q5_0): a code is its low nibble
+// (as kind 4) plus one high bit (bit j of lane o's word in the record's fifth zmm), w = scale * (code - 16)
+template <int MT>
+void q5_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, int64_t rec_bytes,
+             int64_t sb, float* y, int64_t ldy, int valid) {
+  const __m512 low = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 high = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    __m512 dot[MT][kChains];
+    for (int r = 0; r < MT; ++r)
+      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
+    const float* xb = x + b * 32;
+    const __m512i h = _mm512_loadu_si512(rec + 256);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i n = _mm512_loadu_si512(rec + 64 * k);
+      // index bits 0-3: the nibble; bit 4: input 8k+j's high bit (shifted to bit 4); 0xCA: mask ? a : b
+#define EAGLE3_Q5_STEP(j)                                                                          \
+      {                                                                                            \
+        const int bit = 8 * k + (j);                                                               \
+        const __m512i hb = bit <= 4 ? _mm512_sll_epi32(h, _mm_cvtsi32_si128(4 - bit))              \
+                                    : _mm512_srl_epi32(h, _mm_cvtsi32_si128(bit - 4));             \
+        const __m512i idx = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi32(n, 4 * (j)), hb, 0xCA); \
+        const __m512 c = _mm512_permutex2var_ps(low, idx, high);                                   \
+        for (int r = 0; r < MT; ++r)                                                               \
+          dot[r][(j) % kChains] =                                                                  \
+              _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 8 * k + (j)]), c, dot[r][(j) % kChains]); \
+      }
+      EAGLE3_Q5_STEP(0) EAGLE3_Q5_STEP(1) EAGLE3_Q5_STEP(2) EAGLE3_Q5_STEP(3)
+      EAGLE3_Q5_STEP(4) EAGLE3_Q5_STEP(5) EAGLE3_Q5_STEP(6) EAGLE3_Q5_STEP(7)
+#undef EAGLE3_Q5_STEP
+    }
+    finish_block<MT>(dot, acc, load_scales(rec + 320, sb));
+  }
+  for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
+}
+
 // MT rows against one group of 16 outputs of a kind-8 segment with blocks of BLK inputs
 template <int MT, int BLK>
 void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, int64_t rec_bytes,
@@ -622,6 +663,7 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const fl
   const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
   float* yo = y + g.out0 + local * kQuantLanes;
   if (g.kind == 4) q4_tile<MT>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.kind == 5) q5_tile<MT>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.block == 32) q8_tile<MT, 32>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else q8_tile<MT, 16>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
 }

@@ -10,7 +10,7 @@ values (no bf16 rounding of weights, no int8 rounding of activations).
     Q4_0               4-bit 0..15      32      d * c - 8 d
     Q4_1               4-bit 0..15      32      d * c + m
     Q4_K               4-bit 0..15      32      (d * sc) * c - (dmin * mn)   (6-bit sc, mn per 32)
-    Q5_0               int8 -16..15     32      d * c
+    Q5_0               5-bit -16..15    32      d * c
     Q8_0               int8             32      d * c
     Q6_K               int8 -32..31     16      (d * sc) * c
     anything else      dequantised (the fp32 reference weight), said by `describe`
@@ -56,15 +56,10 @@ class QuantCodes:
         return w
 
     def kernel_part(self) -> tuple:
-        """The (kind, block, codes, scales, offsets) part kernels.pack_quant takes."""
-        return self.kind, self.block, self.codes, self.scales, self.offsets
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the packed weight a call reads (codes + scales as packed)."""
-        bits = 4 if self.kind == 4 else 8
-        factors = 2 if self.offsets is not None else 1
-        return self.codes.numel() * bits // 8 + factors * self.scales.numel() * 4
+        """The (kind, block, codes, scales, offsets) part kernels.pack_quant takes (Q5_0's codes
+        are packed in 5 bits: kernel kind 5)."""
+        kind = 5 if self.ggml_type == "Q5_0" else self.kind
+        return kind, self.block, self.codes, self.scales, self.offsets
 
 
 # ---------------------------------------------------------------------------- unpacking
@@ -243,16 +238,18 @@ def check_codes(weights: GgufWeights, params: dict[str, torch.Tensor]) -> None:
 
 
 # ---------------------------------------------------------------------------- cache
-CODES_FILE = "gguf_codes.safetensors"
+CODES_SUFFIX = ".codes.safetensors"
 
 
 def load_gguf_codes(gguf_path: str | os.PathLike, hf_dir: str | os.PathLike,
                     model: torch.nn.Module) -> GgufWeights:
     """The codes of `gguf_path` for `model` (loaded from `hf_dir`, its dequantised conversion):
     read from the file and checked against the model's weights the first time, then kept in the
-    conversion's cache directory (a second load reads them in well under a second)."""
+    conversion's cache (a second load reads them in well under a second)."""
     cfg = model.config
-    cached = Path(hf_dir) / CODES_FILE
+    # beside the conversion, not in it: tools that load every *.safetensors of a model directory
+    # (vLLM) would take the codes for weights
+    cached = Path(hf_dir).with_name(Path(hf_dir).name + CODES_SUFFIX)
     if cached.is_file():
         return _read_cache(cached)
     weights = read_gguf_codes(gguf_path, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
