@@ -71,7 +71,10 @@ class VllmChild:
             line = ""
         if not line:
             raise ChildError(f"the vLLM child exited with {self.proc.wait()}: {self.log_tail()}")
-        reply = json.loads(line)
+        try:
+            reply = json.loads(line)
+        except ValueError:
+            raise ChildError(f"the vLLM child wrote {line[:200]!r}, not a JSON reply") from None
         if not reply.pop("ok"):
             raise ChildError(reply["error"])
         return reply
