@@ -188,6 +188,20 @@ def test_the_draft_is_exported_in_the_speculators_layout_for_vllm(fake_python, t
     assert skipped == [(EAGLE3, "no draft")]
 
 
+def test_vllm_sees_the_target_without_stray_safetensors_files(fake_python, tmp_path):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors", "gguf_codes.safetensors"):
+        (hf / name).write_text(name)
+    work = tmp_path / "bench" / "vllm"
+    systems, skipped = build_vllm((PLAIN,), settings(fake_python, work), hf)
+    served = Path(json.loads((work / PLAIN / "load.json").read_text())["kw"]["model"])
+    assert served == work / "target"
+    assert sorted(f.name for f in served.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (served / "model.safetensors").read_text() == "model.safetensors"
+    systems[0].child.close()
+
+
 def test_bundled_iomp_is_found_in_the_venv(tmp_path):
     python = tmp_path / "venv" / "bin" / "python"
     assert bundled_iomp(python) is None

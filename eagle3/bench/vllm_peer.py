@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,21 @@ def start(name: str, s: VllmSettings, model_dir: Path,
     return VllmSystem(name, child, reply["load_s"], reply["vllm"]), None
 
 
+def model_dir_for_vllm(hf_dir: Path, work_dir: Path) -> Path:
+    """The target as vLLM should see it: links to its config, tokenizer and model weights only.
+
+    vLLM loads every *.safetensors file of a model directory as a weight shard, and our cache
+    directory may hold others (the GGUF codes): a stray file is an unknown-parameter error."""
+    out = work_dir / "target"
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    for f in sorted(Path(hf_dir).iterdir()):
+        if f.is_file() and (f.suffix != ".safetensors" or f.name.startswith("model")):
+            (out / f.name).symlink_to(f.resolve())
+    return out
+
+
 def export_for_vllm(draft, target_config, hf_dir: Path, work_dir: Path, chain_depth: int) -> Path:
     """Our draft in the speculators layout (vLLM's own), read back and checked by the exporter."""
     from ..export.writer import export_draft
@@ -209,6 +225,7 @@ def build_vllm(names: tuple[str, ...], s: VllmSettings, hf_dir: Path, draft=None
                f"or set {PYTHON_ENV})")
         return [], [(n, why) for n in names]
     systems, skipped = [], []
+    model_dir = model_dir_for_vllm(hf_dir, s.work_dir)
     for name in names:
         draft_dir = None
         if name == EAGLE3:
@@ -216,7 +233,7 @@ def build_vllm(names: tuple[str, ...], s: VllmSettings, hf_dir: Path, draft=None
                 skipped.append((name, "no draft"))
                 continue
             draft_dir = export_for_vllm(draft, target_config, hf_dir, s.work_dir, s.chain_depth)
-        system, why = start(name, s, hf_dir, draft_dir)
+        system, why = start(name, s, model_dir, draft_dir)
         systems += [system] if system else []
         skipped += [(name, why)] if why else []
     return systems, skipped
