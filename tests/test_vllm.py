@@ -16,7 +16,7 @@ from eagle3.bench.report import identities
 from eagle3.bench.stats import Record
 from eagle3.bench.systems import GenParams
 from eagle3.bench.vllm_peer import (EAGLE3, INSTALL, NAMES, PLAIN, ChildError, VllmChild, VllmSettings,
-                               build_vllm, bundled_iomp, start)
+                               build_vllm, bundled_iomp, start, start_failure)
 from eagle3.bench.workload import BenchPrompt
 from eagle3.draft.formats import inspect_draft
 from spec_helpers import AUX_IDS, tiny_draft, tiny_target
@@ -150,7 +150,25 @@ def test_child_protocol_with_a_fake_vllm(fake_python, tmp_path):
 def test_a_vllm_that_fails_to_load_is_skipped_with_its_error(fake_python, tmp_path):
     system, why = start(PLAIN, settings(fake_python, tmp_path / "vllm"), tmp_path / "broken", None)
     assert system is None
-    assert "ValueError: no weights in" in why and INSTALL in why
+    assert "ValueError: no weights in" in why and "child.log" in why and INSTALL not in why
+
+
+def test_a_python_without_vllm_is_skipped_with_the_install_line(tmp_path):
+    python = tmp_path / "venv" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")    # this venv: no vllm in it
+    python.chmod(0o755)
+    system, why = start(PLAIN, settings(python, tmp_path / "vllm"), tmp_path, None)
+    assert system is None
+    assert "No module named 'vllm'" in why and INSTALL in why
+
+
+def test_the_root_cause_in_the_log_is_reported(tmp_path):
+    log = tmp_path / "child.log"
+    log.write_text("INFO loading\n(Worker pid=1) ERROR [x.py:9] ValueError: There is no module or parameter "
+                   "named 'layers'\nRuntimeError: Engine core initialization failed\n")
+    why = start_failure("RuntimeError: Engine core initialization failed. See root cause above.", log)
+    assert "ValueError: There is no module or parameter named 'layers'" in why
 
 
 def test_a_child_that_dies_is_reported_with_its_stderr(tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -191,8 +192,24 @@ def start(name: str, s: VllmSettings, model_dir: Path,
         reply = child.call(load_request(s, model_dir, draft_dir))
     except ChildError as e:
         child.close()
-        return None, f"vLLM did not start ({str(e)[:300]}; log {child.log_path}); install: {INSTALL}"
+        return None, start_failure(str(e), child.log_path)
     return VllmSystem(name, child, reply["load_s"], reply["vllm"]), None
+
+
+ERROR_LINE = re.compile(r"\b\w*(?:Error|Exception): .*")
+
+
+def start_failure(error: str, log_path: Path) -> str:
+    """Why a child did not start: its error, the first error its log shows (vLLM's engine process
+    reports the root cause there, the parent only "initialization failed"), the install line when
+    vLLM is not importable."""
+    why = f"vLLM did not start: {error[:300]}"
+    found = ERROR_LINE.search(log_path.read_text(errors="replace")) if log_path.is_file() else None
+    if found and found.group(0)[:100] not in error:
+        why += f" (first error in its log: {found.group(0)[:300]})"
+    if "No module named 'vllm'" in error or "No module named 'vllm'" in why:
+        why += f"; install: {INSTALL}"
+    return f"{why}; log {log_path}"
 
 
 def model_dir_for_vllm(hf_dir: Path, work_dir: Path) -> Path:
