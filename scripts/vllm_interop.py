@@ -25,7 +25,7 @@ import torch
 from eagle3.api import default_draft_path, load_engine
 from eagle3.bench.stats import first_divergence
 from eagle3.bench.systems import GenParams, OursSystem
-from eagle3.bench.vllm_peer import INSTALL, VllmSettings, default_python, start
+from eagle3.bench.vllm_peer import INSTALL, VllmSettings, default_python, model_dir_for_vllm, start
 from eagle3.bench.workload import make_prompts, workload_questions
 from eagle3.draft.formats import load_draft
 from eagle3.export.writer import export_draft, resolve_target
@@ -44,7 +44,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--chain", type=int, default=3, help="draft tokens per step (vLLM num_speculative_tokens)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
-    p.add_argument("--vllm-python", default=None, help="default: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python")
+    p.add_argument("--vllm-python", default=None,
+                   help="default: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python")
     p.add_argument("--compiled", action="store_true", help="vLLM compiled (default enforce_eager: the "
                    "outputs and acceptance are compared, not the speed; compiling takes minutes)")
     return p.parse_args()
@@ -127,6 +128,7 @@ def main() -> int:
     target = resolve_target(None)
     prompts = make_prompts(load_tokenizer(target.path), workload_questions("mtbench", args.prompts))
     drafts = exports(out, args.chain)
+    model_dir = model_dir_for_vllm(Path(target.path), out / "vllm")
     rows, ours_runs, stop_ids = [], {}, ()
     for weights in PRECISIONS:
         t0 = time.perf_counter()
@@ -137,7 +139,7 @@ def main() -> int:
         name = f"vllm-eagle3-{layout}"
         settings = VllmSettings(python, out / "vllm" / weights, args.threads, PRECISIONS[weights],
                                 not args.compiled, 2048, args.chain)
-        runs, startup_s = in_vllm(name, settings, Path(target.path), drafts[layout], prompts, stop_ids,
+        runs, startup_s = in_vllm(name, settings, model_dir, drafts[layout], prompts, stop_ids,
                                   args.max_new_tokens)
         print(f"{name} {weights}: start-up {startup_s:.0f} s", file=sys.stderr)
         rows.append({"system": name, "precision": weights, "runs": runs, "startup_s": startup_s})

@@ -46,7 +46,15 @@ def resolve_in_vllm(case: dict) -> dict:
         holder = SimpleNamespace(model=SimpleNamespace(layers=[None] * layers))
         ids, source = SupportsEagle3.get_eagle3_default_aux_hidden_state_layers(holder), "target default"
     return {"method": spec.method, "aux_layer_ids": list(ids), "ids_from": source,
-            "target": config.model_config.model}
+            "target": config.model_config.model, "runner_v2_ids": runner_v2_ids(spec)}
+
+
+def runner_v2_ids(spec) -> list[int] | None:
+    """What vLLM's model runner V2 (GPUs with Triton; the CPU build falls back to V1) reads from the
+    same config, None when it finds no ids (then the target's defaults). Informational."""
+    from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+    ids = get_eagle3_aux_layers_from_config(spec)
+    return list(ids) if ids else None
 
 
 def vllm_side(cases_path: Path) -> None:
@@ -67,12 +75,14 @@ def draft_dirs(root: Path) -> dict[str, Path]:
     from eagle3.draft.formats import load_draft, save_draft
     from eagle3.engines import IDS_KEY, NESTED_KEY
     from eagle3.export.writer import resolve_target
+    from eagle3.models.target import TargetFacts
     target = resolve_target(None)
+    facts = TargetFacts.of(target.config, target.path)      # the speculators verifier names the target
     draft, _ = load_draft(default_draft_path(None), target.config)
-    dirs = {fmt: save_draft(draft, root / fmt, fmt, target.config, speculative_tokens=3)
+    dirs = {fmt: save_draft(draft, root / fmt, fmt, facts, speculative_tokens=3)
             for fmt in ("speculators", "specforge")}
     for name, drop_nested in (("specforge-nested-only", False), ("no-ids", True)):
-        dirs[name] = save_draft(draft, root / name, "specforge", target.config)
+        dirs[name] = save_draft(draft, root / name, "specforge", facts)
         config = json.loads((dirs[name] / "config.json").read_text())
         config.pop(IDS_KEY)
         if drop_nested:
@@ -130,6 +140,9 @@ def agreement(doctor: dict, vllm: dict) -> tuple[bool, str]:
     if Path(doctor["target"]).resolve() != Path(vllm["target"]).resolve():
         return False, f"target: doctor {doctor['target']}, vLLM {vllm['target']}"
     ids = f", layers {vllm['aux_layer_ids']} ({vllm['ids_from']})" if vllm["method"] == "eagle3" else ""
+    v2 = vllm.get("runner_v2_ids")
+    if vllm["method"] == "eagle3" and v2 != vllm["aux_layer_ids"]:
+        ids += f"; runner V2 (GPU) reads {v2 or 'no ids: target defaults'}"
     return True, f"method {vllm['method']}{ids}"
 
 
@@ -155,7 +168,8 @@ def run_vllm(python: Path, case_list: list[dict], work: Path) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--vllm-python", default=None, help="default: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python")
+    p.add_argument("--vllm-python", default=None,
+                   help="default: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python")
     p.add_argument("--out", default=None, help="directory for the drafts, the log and specconfig.json")
     p.add_argument("--resolve", default=None, help=argparse.SUPPRESS)     # the vLLM side
     args = p.parse_args()
