@@ -61,13 +61,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="cpu = process CPU seconds instead of wall (with --threads 1, on a machine "
                         "shared with other jobs; llama.cpp-eagle3 keeps its own wall timers)")
     add_precision_args(p)           # --weights, --draft-weights (the identity check reports bf16 drift)
-    p.add_argument("--chain-depth", type=int, default=5, help="ours-chain and llama.cpp-eagle3 depth")
+    p.add_argument("--chain-depth", type=int, default=5,
+                   help="ours-chain, llama.cpp-eagle3 and vllm-eagle3 depth")
     p.add_argument("--tree", default=None, help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS[,MIN_PROB] "
                    "(default: the engine's default tree)")
     p.add_argument("--prompt-lookup", type=int, default=10, help="prompt-lookup tokens (HF, llama.cpp)")
     p.add_argument("--systems", default=None, help="comma-separated names, '*' suffix = prefix "
                    "(e.g. ours-*,hf-generate); default: all available")
     p.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    p.add_argument("--vllm-python", default=None, help="python of the vLLM venv for vllm-plain and "
+                   "vllm-eagle3 (default: $EAGLE3_VLLM_PYTHON, else .venv-vllm/bin/python from "
+                   "bash scripts/vllm_env.sh)")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM with enforce_eager (default: "
+                   "compiled; compilation is start-up time, reported apart)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--quick", action="store_true", help="3 prompts, 32 new tokens")
     p.add_argument("--tune", action="store_true", help="measure tree shapes, print the best")
@@ -98,7 +104,8 @@ def config_from(args: argparse.Namespace) -> BenchConfig:
                        prompt_lookup=args.prompt_lookup, systems=systems,
                        ignore_eos=args.ignore_eos, max_model_len=args.max_model_len,
                        clock=args.clock, weights=args.weights, draft_weights=args.draft_weights,
-                       workload=args.workload)
+                       workload=args.workload, vllm_python=args.vllm_python, vllm_eager=args.vllm_eager,
+                       out_dir=args.out)
 
 
 def log(msg: str) -> None:
@@ -128,10 +135,12 @@ def bench_main(argv: list[str]) -> int:
     roof = None if args.no_roofline else measure_roofline(setup, cfg)
     print(f"workload: {workload_text(cfg, len(setup.prompts))}")
     print_report(setup.skipped, rows, records, ids, failed, roof)
+    if setup.startup:
+        print(startup_text(setup.startup))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(argv, cfg, setup, time.time() - t0, load_before)
-    extra = {"skipped": setup.skipped, "failed": failed,
+    extra = {"skipped": setup.skipped, "failed": failed, "startup": setup.startup,
              "peaks_bytes": peak_dict, "roofline": roof}
     save_json(out / "bench.json", meta, rows, records, ids, extra)
     plots = [] if args.no_plots else save_plots(out, rows, records)
@@ -142,6 +151,12 @@ def bench_main(argv: list[str]) -> int:
         print(f"MISMATCH: {i.system} greedy output differs from plain decoding on "
               f"{i.compared - i.identical}/{i.compared} prompts")
     return 1 if broken else 0
+
+
+def startup_text(startup: dict[str, dict]) -> str:
+    """Start-up of the child-process systems (loading, compilation): never in their tokens/s."""
+    return "\n".join(f"start-up {name}: {s['startup_s']:.1f} s ({s['version']}; not counted)"
+                     for name, s in startup.items())
 
 
 def replay(path: Path, out: Path, plots: bool = True) -> int:

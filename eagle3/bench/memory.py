@@ -19,6 +19,17 @@ def rss_bytes(pid: Optional[int] = None) -> int:
         return 0
 
 
+def tree_rss_bytes(pid: int) -> int:
+    """RSS of a child process and its descendants (vLLM runs its engine in a process of its own;
+    pages they share are counted once per process)."""
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return 0
+    return sum(rss_bytes(p.pid) for p in procs)
+
+
 class PeakMemory:
     """`with peaks.track(name, child_pid=lambda: ...)`: max RSS seen per name (bytes)."""
 
@@ -39,7 +50,7 @@ class PeakMemory:
                 peak[0] = max(peak[0], rss_bytes())
                 pid = child_pid()
                 if pid is not None:
-                    peak[1] = max(peak[1], rss_bytes(pid))
+                    peak[1] = max(peak[1], tree_rss_bytes(pid))
 
         cuda = device.startswith("cuda")
         if cuda:

@@ -9,8 +9,9 @@ from typing import Optional
 from .stats import (Identity, Record, Spread, acceptance_per_position, greedy_identity, ratios,
                     tau_pooled)
 
-VS = ("hf-generate", "hf-generate-bf16", "ours-plain", "llama.cpp", "llama.cpp-eagle3")  # ratio columns, if present
-CHILD_PROCESS = ("llama.cpp-eagle3",)                                 # runs outside this process
+VS = ("hf-generate", "hf-generate-bf16", "ours-plain", "llama.cpp", "llama.cpp-eagle3",
+      "vllm-plain")                                                   # ratio columns, if present
+CHILD_PROCESS = ("llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")     # run outside this process
 
 
 @dataclass(frozen=True)
@@ -75,11 +76,13 @@ def summarize(records: list[Record], depths: dict[str, int], peaks: dict) -> lis
 
 def identities(records: list[Record]) -> list[Identity]:
     """Greedy token identity: each of our speculative systems vs ours-plain (must hold), and
-    ours-plain vs HF generate / llama.cpp (informational: other kernels, other numerics)."""
+    ours-plain vs HF generate / llama.cpp / vLLM, vLLM's EAGLE-3 vs its plain decoding
+    (informational: other kernels, other numerics)."""
     spec = [s for s in dict.fromkeys(r.system for r in records)
             if s.startswith("ours-") and s != "ours-plain"]
     pairs = [(s, "ours-plain") for s in spec] + [("hf-generate", "ours-plain"),
-                                                 ("llama.cpp", "ours-plain")]
+                                                 ("llama.cpp", "ours-plain"), ("vllm-plain", "ours-plain"),
+                                                 ("vllm-eagle3", "vllm-plain")]
     return [i for i in (greedy_identity(records, a, b) for a, b in pairs) if i is not None]
 
 

@@ -9,6 +9,7 @@ import platform
 import sys
 import time
 from dataclasses import replace, dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -45,6 +46,9 @@ class BenchConfig:
     weights: str = "auto"                          # our target's weights: auto | gguf | fp32 | bf16 (CPU)
     draft_weights: str = "auto"                    # the draft's: auto (bf16 where supported) | bf16 | fp32
     workload: str = "mtbench"                      # a key of workload.WORKLOADS
+    vllm_python: Optional[str] = None              # None: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python
+    vllm_eager: bool = False                       # vLLM enforce_eager (default: compiled)
+    out_dir: str = "runs/bench"                    # the bench's directory (vLLM's draft, caches, logs)
 
     def __post_init__(self):
         if self.workload not in WORKLOADS:
@@ -67,6 +71,7 @@ class Setup:
     target: object                          # our (packed) target, for the roofline
     weight_bytes: int
     load_rss_mb: dict[str, float] = field(default_factory=dict)
+    startup: dict[str, dict] = field(default_factory=dict)   # child-process systems: start-up s, version
 
 
 # ---------------------------------------------------------------------------- setup
@@ -147,17 +152,21 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     shapes, target = add_ours(cfg, b, engine, no_draft)
     weight_bytes = read_bytes_per_forward(target)                # as laid out (fp32 or bf16)
     add_peers(cfg, b, src, device)
+    add_vllm(cfg, b, src, engine)
     systems = sorted((s for s in b.systems if wanted(cfg, s.name)), key=lambda s: ORDER.index(
         "ours-spec" if s.name.startswith("ours-") and s.name != "ours-plain" else s.name))
     depths = {name: spec.depth for name, spec in shapes.items()}
     depths[ADAPTIVE] = max(s.depth for s in DEFAULT_SHAPES)
-    depths.update({s.name: cfg.chain_depth for s in systems if s.name == "llama.cpp-eagle3"})
+    depths.update({s.name: cfg.chain_depth for s in systems if s.name in CHAINED_PEERS})
+    startup = {s.name: {"startup_s": s.startup_s, "version": s.version} for s in systems
+               if getattr(s, "startup_s", None) is not None}
     return Setup(systems, b.skipped, prompts, warm, stop_ids_of(engine), depths, target,
-                 weight_bytes, b.load_rss_mb)
+                 weight_bytes, b.load_rss_mb, startup)
 
 
 ORDER = ("ours-plain", "ours-spec", "hf-generate", "hf-generate-bf16", "hf-prompt-lookup", "llama.cpp",
-         "llama.cpp-prompt-lookup", "llama.cpp-eagle3")
+         "llama.cpp-prompt-lookup", "llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")
+CHAINED_PEERS = ("llama.cpp-eagle3", "vllm-eagle3")      # draft a chain of --chain-depth tokens
 
 
 def load_ours(cfg: BenchConfig, b: Builder, max_model_len: int):
@@ -208,6 +217,19 @@ def add_peers(cfg: BenchConfig, b: Builder, src, device: str) -> None:
                                                  cfg.prompt_lookup))
 
 
+def add_vllm(cfg: BenchConfig, b: Builder, src, engine) -> None:
+    """vllm-plain / vllm-eagle3 in child processes (our unpacked draft, exported for vLLM)."""
+    from .vllm_peer import DTYPES, NAMES, VllmSettings, build_vllm, default_python
+    names = tuple(n for n in NAMES if wanted(cfg, n))
+    if not names:
+        return
+    python = Path(cfg.vllm_python) if cfg.vllm_python else default_python()
+    settings = VllmSettings(python, Path(cfg.out_dir).resolve() / "vllm", cfg.threads, DTYPES[cfg.weights],
+                            cfg.vllm_eager, cfg.max_model_len, cfg.chain_depth, cfg.seed)
+    draft = engine.draft if engine.speculative else None
+    b.add("vllm", lambda: build_vllm(names, settings, src.hf_dir, draft, engine.target.config))
+
+
 # ---------------------------------------------------------------------------- run
 def gen_params(cfg: BenchConfig, setup: Setup, temp: float, prompt: BenchPrompt,
                max_new_tokens: Optional[int] = None) -> GenParams:
@@ -220,7 +242,7 @@ def rotate(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-WALL_ONLY = ("llama.cpp-eagle3",)   # a child process: its own (wall) timers are kept
+WALL_ONLY = ("llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")   # child processes: their own (wall) timers
 
 
 def on_cpu_clock(res, cpu_s: float):
@@ -236,7 +258,7 @@ def record(system: System, prompt: BenchPrompt, temp: float, res) -> Record:
     return Record(system.name, system.family, system.device, prompt.question_id, prompt.category,
                   temp, len(prompt.ids), len(res.tokens), res.seconds, res.tau, res.accept_lens,
                   res.draft_s, res.verify_s, res.other_s,
-                  res.tokens if system.family in ("ours", "hf") or system.name == "llama.cpp"
+                  res.tokens if system.family in ("ours", "hf", "vllm") or system.name == "llama.cpp"
                   else None, res.extra)
 
 
