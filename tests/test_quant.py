@@ -247,3 +247,28 @@ def test_the_cost_table_of_the_codes_is_not_the_fp32_layouts():
     fp32 = build_target(model, torch.float32, row_stable=True)
     assert on_codes.weights_name == "gguf:Q4_1" and fp32.weights_name == "torch.float32"
     assert cost_key(on_codes, None) != cost_key(fp32, None)
+
+
+@pytest.mark.lossless
+def test_gguf_weights_decode_what_the_dequantised_model_decodes():
+    """weights=gguf gives the reference (dequantised fp32) model's greedy tokens: on the kernels
+    through the codes, and where there are none (EAGLE3_KERNELS=0: scripts/test.sh reruns this) through
+    the fp32 layout it falls back to."""
+    from eagle3.api import build_layouts
+    from eagle3.generate import Engine
+    from eagle3.sampling import SamplingParams
+    import eagle3.api as api
+    model, codes = gguf_tiny_target("Q4_1", seed=5)
+    source = type("Source", (), {"gguf": "tiny.gguf", "name": "tiny"})()
+    real = api.gguf_codes
+    api.gguf_codes = lambda target, src: codes if kernels.quant_linear() is not None else real(target, src)
+    try:
+        target, _ = build_layouts(copy.deepcopy(model), None, "gguf", "fp32", source)
+    finally:
+        api.gguf_codes = real
+    assert bool(target.gguf) == (kernels.quant_linear() is not None)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    for prompt in ([1, 2, 3], [7, 7, 8, 9, 10]):
+        want = Engine(model, StubTokenizer(), max_model_len=64).generate(prompt_ids=prompt, params=params)
+        got = Engine(target, StubTokenizer(), max_model_len=64).generate(prompt_ids=prompt, params=params)
+        assert got.token_ids == want.token_ids

@@ -237,3 +237,9 @@ def test_bench_options_and_the_identity_pairs(tmp_path):
             for name, fam in (("ours-plain", "ours"), (PLAIN, "vllm"), (EAGLE3, "vllm"))]
     pairs = {(i.system, i.reference): i.identical for i in identities(recs)}
     assert pairs == {(PLAIN, "ours-plain"): 1, (EAGLE3, PLAIN): 1}
+
+
+def test_every_weights_choice_has_a_vllm_dtype():
+    from eagle3.api import WEIGHT_CHOICES
+    from eagle3.bench.vllm_peer import DTYPES
+    assert set(WEIGHT_CHOICES) <= set(DTYPES)

@@ -35,7 +35,9 @@ PYTHON_ENV = "EAGLE3_VLLM_PYTHON"
 CHILD_SCRIPT = Path(__file__).with_name("vllm_child.py")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_GIB = 1
-DTYPES = {"fp32": "float32", "bf16": "bfloat16"}     # the bench's --weights -> vLLM's dtype
+# the bench's --weights -> vLLM's dtype. vLLM's CPU build runs the dequantised safetensors (it has no
+# kernels for this GGUF's codes on CPU): under gguf/auto it runs bf16, its fastest CPU dtype here
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16", "auto": "bfloat16"}
 
 
 def default_python() -> Path:

@@ -113,11 +113,27 @@ class InferenceTarget:
             raise ValueError(f"input_ids has {input_ids.numel()} tokens, rows plan {rows.num_rows}")
         cos, sin = self.rotary(rows.positions.view(1, -1))
         h = self.embed_tokens(input_ids.view(1, -1).to(self.device))
-        for i, layer in enumerate(self.layers):
-            h = layer.forward_rows(h, cos, sin, *cache.layer(i), rows)
+        if len(rows.blocks) == 1:      # one sequence: its slot is a plain cache (the one-call layers)
+            h = self._one_block(h, cos, sin, rows.blocks[0], cache)
+        else:
+            for i, layer in enumerate(self.layers):
+                h = layer.forward_rows(h, cos, sin, *cache.layer(i), rows)
         cache.commit(rows)
         last = h[0, rows.last.to(self.device)]
         return self.lm_head(self.backend.rms_norm(last, *self.norm))
+
+
+    def _one_block(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block,
+                   cache: SlotCache) -> torch.Tensor:
+        """A forward of one sequence's block through the layers as __call__ runs them, on its
+        slot's buffers (a batch of one decodes as fast as the single-sequence engine)."""
+        mask = None if block.rows == 1 else causal_block_mask(block.start, block.rows, h.device)
+        mask = self.backend.prepare_mask(mask)
+        s = block.slot
+        for i, layer in enumerate(self.layers):
+            k_buf, v_buf = cache.layer(i)
+            h = layer(h, None, cos, sin, k_buf[s:s + 1], v_buf[s:s + 1], block.start, mask)
+        return h
 
 
 def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,
