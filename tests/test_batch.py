@@ -462,3 +462,24 @@ def test_batched_rows_equal_alone_on_gguf_codes(one_thread):
     target = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes)
     assert all(l.quant_types for l in target.linears)
     check_batched_equals_alone(target, bit_for_bit=True)
+
+
+def test_a_batch_of_one_takes_the_single_sequence_layers(monkeypatch):
+    """One sequence in a step decodes through the layers' own call (the one-call C++ layer where
+    there are kernels) on its slot's buffers, not the op-by-op batched path (which halved
+    single-stream serving); two sequences take the batched path. Same logits either way."""
+    from eagle3.runtime.layer import FastLayer
+    target = layout(tiny_target(layers=2), "fp32")
+    calls = {"layer": 0, "rows": 0}
+    for name, key in (("__call__", "layer"), ("forward_rows", "rows")):
+        real = getattr(FastLayer, name)
+        monkeypatch.setattr(FastLayer, name, lambda self, *a, _r=real, _k=key, **k: (
+            calls.__setitem__(_k, calls[_k] + 1), _r(self, *a, **k))[1])
+    cache = target.new_slot_cache(16, slots=2)
+    a, b = cache.allocate(), cache.allocate()
+    one = target.forward_rows(torch.tensor([3, 4, 5]), cache.plan([(a, 3)]), cache)
+    assert calls == {"layer": 2, "rows": 0}
+    target.forward_rows(torch.tensor([3, 4, 5, 6]), cache.plan([(a, 1), (b, 3)]), cache)
+    assert calls == {"layer": 2, "rows": 2}
+    alone = target(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], target.new_cache(16)).logits[0, -1]
+    assert (one[0] - alone).abs().max() <= 1e-5
