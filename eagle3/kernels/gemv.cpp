@@ -561,46 +561,40 @@ inline void finish_block(__m512 (&dot)[MT][kChains], __m512 (&acc)[MT], __m512 s
   }
 }
 
-// MT rows against one group of 16 outputs of a kind-4 segment
-template <int MT>
-void q4_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* rec,
-             int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
+// The float codes of a 4- or 5-bit record, input 8k+j of each lane (j a constant after unrolling).
+// kind 4: the nibble, 0..15, through a 16-entry table. kind 5 (Q5_0): the nibble plus one high bit
+// (bit j of lane o's word in the record's fifth zmm), code - 16, through a 32-entry table.
+struct Nibbles {
+  static constexpr int64_t kScalesAt = 256;
+  static constexpr bool kOffsets = true;
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 acc[MT];
-  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
-    __m512 dot[MT][kChains];
-    for (int r = 0; r < MT; ++r)
-      for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
-    const float* xb = x + b * 32;
-    for (int k = 0; k < 4; ++k) {
-      const __m512i n = _mm512_loadu_si512(rec + 64 * k);
-#define EAGLE3_Q4_STEP(j)                                                                          \
-      {                                                                                            \
-        const __m512 c = _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4 * (j)), table);              \
-        for (int r = 0; r < MT; ++r)                                                               \
-          dot[r][(j) % kChains] =                                                                  \
-              _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 8 * k + (j)]), c, dot[r][(j) % kChains]); \
-      }
-      EAGLE3_Q4_STEP(0) EAGLE3_Q4_STEP(1) EAGLE3_Q4_STEP(2) EAGLE3_Q4_STEP(3)
-      EAGLE3_Q4_STEP(4) EAGLE3_Q4_STEP(5) EAGLE3_Q4_STEP(6) EAGLE3_Q4_STEP(7)
-#undef EAGLE3_Q4_STEP
-    }
-    finish_block<MT>(dot, acc, load_scales(rec + 256, sb));
-    const __m512 m = load_scales(rec + 256 + 16 * sb, sb);
-    for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * ldxs + b]), acc[r]);
-  }
-  for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
-}
+  void block(const uint8_t*) {}
+  __m512 code(__m512i n, int, int j) const { return _mm512_permutexvar_ps(_mm512_srli_epi32(n, 4 * j), table); }
+};
 
-// MT rows against one group of 16 outputs of a kind-5 segment (Q5_0): a code is its low nibble
-// (as kind 4) plus one high bit (bit j of lane o's word in the record's fifth zmm), w = scale * (code - 16)
-template <int MT>
-void q5_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, int64_t rec_bytes,
-             int64_t sb, float* y, int64_t ldy, int valid) {
+struct FiveBits {
+  static constexpr int64_t kScalesAt = 320;
+  static constexpr bool kOffsets = false;
   const __m512 low = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
   const __m512 high = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i nibble = _mm512_set1_epi32(0x0F);
+  __m512i h = _mm512_setzero_si512();
+  void block(const uint8_t* rec) { h = _mm512_loadu_si512(rec + 256); }
+  // index bits 0-3: the nibble; bit 4: input 8k+j's high bit shifted to bit 4; 0xCA: mask ? a : b
+  __m512 code(__m512i n, int k, int j) const {
+    const int bit = 8 * k + j;
+    const __m512i hb = bit <= 4 ? _mm512_sll_epi32(h, _mm_cvtsi32_si128(4 - bit))
+                                : _mm512_srl_epi32(h, _mm_cvtsi32_si128(bit - 4));
+    const __m512i idx = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi32(n, 4 * j), hb, 0xCA);
+    return _mm512_permutex2var_ps(low, idx, high);
+  }
+};
+
+// MT rows against one group of 16 outputs of a kind-4 or kind-5 segment (Codes: Nibbles / FiveBits)
+template <int MT, class Codes>
+void nibble_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, const uint8_t* rec,
+                 int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
+  Codes codes;
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
@@ -608,26 +602,25 @@ void q5_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, in
     for (int r = 0; r < MT; ++r)
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     const float* xb = x + b * 32;
-    const __m512i h = _mm512_loadu_si512(rec + 256);
+    codes.block(rec);
     for (int k = 0; k < 4; ++k) {
       const __m512i n = _mm512_loadu_si512(rec + 64 * k);
-      // index bits 0-3: the nibble; bit 4: input 8k+j's high bit (shifted to bit 4); 0xCA: mask ? a : b
-#define EAGLE3_Q5_STEP(j)                                                                          \
+#define EAGLE3_NIBBLE_STEP(j)                                                                      \
       {                                                                                            \
-        const int bit = 8 * k + (j);                                                               \
-        const __m512i hb = bit <= 4 ? _mm512_sll_epi32(h, _mm_cvtsi32_si128(4 - bit))              \
-                                    : _mm512_srl_epi32(h, _mm_cvtsi32_si128(bit - 4));             \
-        const __m512i idx = _mm512_ternarylogic_epi32(nibble, _mm512_srli_epi32(n, 4 * (j)), hb, 0xCA); \
-        const __m512 c = _mm512_permutex2var_ps(low, idx, high);                                   \
+        const __m512 c = codes.code(n, k, (j));                                                    \
         for (int r = 0; r < MT; ++r)                                                               \
           dot[r][(j) % kChains] =                                                                  \
               _mm512_fmadd_ps(_mm512_set1_ps(xb[r * ldx + 8 * k + (j)]), c, dot[r][(j) % kChains]); \
       }
-      EAGLE3_Q5_STEP(0) EAGLE3_Q5_STEP(1) EAGLE3_Q5_STEP(2) EAGLE3_Q5_STEP(3)
-      EAGLE3_Q5_STEP(4) EAGLE3_Q5_STEP(5) EAGLE3_Q5_STEP(6) EAGLE3_Q5_STEP(7)
-#undef EAGLE3_Q5_STEP
+      EAGLE3_NIBBLE_STEP(0) EAGLE3_NIBBLE_STEP(1) EAGLE3_NIBBLE_STEP(2) EAGLE3_NIBBLE_STEP(3)
+      EAGLE3_NIBBLE_STEP(4) EAGLE3_NIBBLE_STEP(5) EAGLE3_NIBBLE_STEP(6) EAGLE3_NIBBLE_STEP(7)
+#undef EAGLE3_NIBBLE_STEP
     }
-    finish_block<MT>(dot, acc, load_scales(rec + 320, sb));
+    finish_block<MT>(dot, acc, load_scales(rec + Codes::kScalesAt, sb));
+    if (Codes::kOffsets) {
+      const __m512 m = load_scales(rec + Codes::kScalesAt + 16 * sb, sb);
+      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * ldxs + b]), acc[r]);
+    }
   }
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
@@ -662,8 +655,8 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const fl
   const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
   const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
   float* yo = y + g.out0 + local * kQuantLanes;
-  if (g.kind == 4) q4_tile<MT>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
-  else if (g.kind == 5) q5_tile<MT>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  if (g.kind == 4) nibble_tile<MT, Nibbles>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.kind == 5) nibble_tile<MT, FiveBits>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.block == 32) q8_tile<MT, 32>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else q8_tile<MT, 16>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
 }
