@@ -67,8 +67,9 @@ def info_cmd(args: argparse.Namespace) -> int:
     from .threads import describe
     rows.append(("CPU small-M linear kernels", why()))
     if src.gguf is not None:
+        from .kernels import quant_linear
         from .runtime.quant import tensor_types
-        kernels_on = why().startswith("avx512")
+        kernels_on = quant_linear() is not None
         rows.append(("--weights gguf (auto) linears" + ("" if kernels_on else ": all dequantised here"),
                      tensor_types(src.gguf, cfg.tie_word_embeddings)))
     rows.append(("CPU threads", describe()))

@@ -140,3 +140,13 @@ class CountingTokenizer:
         self.calls += 1
         time.sleep(self.delay_s)
         return self.inner.encode(*args, **kwargs)
+
+
+def wait_for(cond, timeout_s: float = 5.0) -> bool:
+    """Poll `cond` until it holds or `timeout_s` passes; whether it held."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False

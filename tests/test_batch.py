@@ -358,7 +358,7 @@ def test_served_batch_gauges_queue_full_and_cancel(served_target):
     503; closing a stream frees its slot and the waiting request is served."""
     import httpx
 
-    from serve_fixtures import RunningServer
+    from serve_fixtures import RunningServer, wait_for
     body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 0}
     app = batched_app(served_target, max_batch=2, max_queue=1, delay_s=0.05)
     with RunningServer(app) as s:
@@ -376,7 +376,7 @@ def test_served_batch_gauges_queue_full_and_cancel(served_target):
         t = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
             s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60)))
         t.start()
-        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_waiting"] == 1)
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_waiting"] == 1, 10.0)
         full = httpx.post(s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=30)
         assert full.status_code == 503 and full.json()["error"]["code"] == "queue_full"
         assert int(full.headers["retry-after"]) >= 1
@@ -392,16 +392,7 @@ def test_served_batch_gauges_queue_full_and_cancel(served_target):
         http, resp, _ = streams.pop()
         resp.close()
         http.close()
-        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_running"] == 0)
-
-
-def wait_for(cond, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_running"] == 0, 10.0)
 
 
 def test_batching_is_refused_where_it_does_not_apply(served_target):

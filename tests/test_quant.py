@@ -220,7 +220,7 @@ def test_the_packaged_ggufs_codes_give_the_exact_models_logits(real_model):
     reference: 1e-4 against an fp32 evaluation would test fp32 rounding, not the kernels."""
     from eagle3.runtime.quant import load_gguf_codes
     model, _, src = real_model
-    codes = load_gguf_codes(src.gguf, src.hf_dir, model)       # checked against the model on a first read
+    codes = load_gguf_codes(src.gguf, src.hf_dir, model)       # read once, then from beside the conversion
     assert {qc.ggml_type for qc in codes.codes.values()} == {"Q4_1", "Q8_0"}
     # the cached codes sit beside the model directory: vLLM loads every *.safetensors in it
     assert sorted(p.name for p in src.hf_dir.glob("*.safetensors")) == ["model.safetensors"]

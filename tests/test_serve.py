@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.serve import create_app
-from serve_fixtures import CountingTokenizer, GroupedEngine, RunningServer, tiny_target, tokenizer
+from serve_fixtures import CountingTokenizer, GroupedEngine, RunningServer, tiny_target, tokenizer, wait_for
 
 KEY = "sk-test-key"
 MODEL = "tiny"
@@ -392,15 +392,6 @@ def open_stream(url: str, max_tokens: int):
                              json={**GOOD, "max_tokens": max_tokens, "stream": True,
                                    "temperature": 0})
     return http, http.send(req, stream=True)
-
-
-def wait_for(cond, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def test_disconnect_mid_stream_frees_the_engine(slow_server):

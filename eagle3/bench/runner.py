@@ -149,7 +149,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
         b.add("llama.cpp-eagle3", lambda: build_eagle3(
             engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
             cfg.threads, cfg.max_model_len))
-    shapes, target = add_ours(cfg, b, engine, no_draft)
+    shapes, target = add_ours(cfg, b, engine, no_draft, src)
     weight_bytes = read_bytes_per_forward(target)                # as laid out (fp32 or bf16)
     add_peers(cfg, b, src, device)
     add_vllm(cfg, b, src, engine)
@@ -186,14 +186,12 @@ def stop_ids_of(engine) -> tuple[int, ...]:
     return tuple(sorted(engine.eos_ids))
 
 
-def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str]):
+def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str], src):
     """The inference layouts (as load_engine builds them), then ours-plain and the chain and tree
     shapes; (shapes, the target's layout)."""
     from ..api import build_layouts
     before = rss_bytes()
-    from ..runtime.loader import resolve_model
-    target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights,
-                                  resolve_model(cfg.model))
+    target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights, src)
     shapes = spec_shapes(cfg) if engine.speculative else {}
     policy = None
     if draft is not None and wanted(cfg, ADAPTIVE):

@@ -173,6 +173,17 @@ class GgufWeights:
         return line
 
 
+def linear_tensors(reader, tie_word_embeddings: bool):
+    """(module weight name, tensor) for every linear weight a GGUF holds: the tied embedding as the
+    lm_head; an untied embedding is a lookup (the fp32 reference rows serve it) and is skipped."""
+    for t in reader.tensors:
+        name = module_name(t.name)
+        if name == "embed_tokens.weight":
+            name = "lm_head.weight" if tie_word_embeddings else None
+        if name is not None:
+            yield name, t
+
+
 def read_gguf_codes(path: str | os.PathLike, num_heads: int, num_kv_heads: int,
                     tie_word_embeddings: bool) -> GgufWeights:
     """The integer codes of every linear weight of a GGUF target, by module weight name."""
@@ -181,14 +192,7 @@ def read_gguf_codes(path: str | os.PathLike, num_heads: int, num_kv_heads: int,
     arch_field = reader.fields.get("general.architecture")
     arch = bytes(arch_field.parts[arch_field.data[0]]).decode() if arch_field else ""
     codes, types, dequantized = {}, Counter(), {}
-    for t in reader.tensors:
-        name = module_name(t.name)
-        if name is None:
-            continue
-        if name == "embed_tokens.weight":
-            if not tie_word_embeddings:
-                continue                          # a lookup: the fp32 reference rows serve it
-            name = "lm_head.weight"
+    for name, t in linear_tensors(reader, tie_word_embeddings):
         type_name = t.tensor_type.name
         types[type_name] += 1
         in_features, out_features = int(t.shape[0]), int(t.shape[1])
@@ -206,12 +210,7 @@ def read_gguf_codes(path: str | os.PathLike, num_heads: int, num_kv_heads: int,
 def tensor_types(path: str | os.PathLike, tie_word_embeddings: bool) -> str:
     """What `--weights gguf` runs for each type of linear weight in the file (`eagle3 info`)."""
     import gguf
-    types = Counter()
-    for t in gguf.GGUFReader(str(path)).tensors:
-        name = module_name(t.name)
-        if name is None or (name == "embed_tokens.weight" and not tie_word_embeddings):
-            continue
-        types[t.tensor_type.name] += 1
+    types = Counter(t.tensor_type.name for _, t in linear_tensors(gguf.GGUFReader(str(path)), tie_word_embeddings))
     return ", ".join(f"{k} x{n} ({'kernel' if k in UNPACK else 'dequantised to fp32: no kernel'})"
                      for k, n in sorted(types.items()))
 
@@ -244,8 +243,8 @@ CODES_SUFFIX = ".codes.safetensors"
 def load_gguf_codes(gguf_path: str | os.PathLike, hf_dir: str | os.PathLike,
                     model: torch.nn.Module) -> GgufWeights:
     """The codes of `gguf_path` for `model` (loaded from `hf_dir`, its dequantised conversion):
-    read from the file and checked against the model's weights the first time, then kept in the
-    conversion's cache (a second load reads them in well under a second)."""
+    read from the file the first time, then kept beside the conversion (a second load reads them in
+    well under a second). runtime.target.build_target checks them against the model's weights."""
     cfg = model.config
     # beside the conversion, not in it: tools that load every *.safetensors of a model directory
     # (vLLM) would take the codes for weights
@@ -253,7 +252,6 @@ def load_gguf_codes(gguf_path: str | os.PathLike, hf_dir: str | os.PathLike,
     if cached.is_file():
         return _read_cache(cached)
     weights = read_gguf_codes(gguf_path, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
-    check_codes(weights, dict(model.named_parameters(remove_duplicate=False)))
     _write_cache(weights, cached)
     return weights
 

@@ -25,8 +25,9 @@ class InferenceTarget:
     def __init__(self, model: LlamaModel, backend: Backend, gguf: Optional[GgufWeights] = None):
         self.config: ModelConfig = model.config
         self.backend = backend
-        self.gguf = gguf                                # --weights gguf: the file's codes (runtime.quant)
         codes = gguf.codes if gguf is not None and backend.kernels is not None else {}
+        # the GGUF types the linears run (the unpacked codes are not kept: the packed linears hold them)
+        self.gguf: Optional[list[str]] = sorted({qc.ggml_type for qc in codes.values()}) if codes else None
         self.embed_tokens = model.embed_tokens          # shared, read only (a lookup)
         self.cos, self.sin = model.rotary.cos, model.rotary.sin
         self.layers = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend,
