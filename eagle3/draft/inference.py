@@ -35,6 +35,7 @@ class InferenceDraft:
             mid = draft.midlayer
             self.input_norm, self.hidden_norm = norm_of(mid.input_layernorm), norm_of(mid.hidden_norm)
             self.norm = norm_of(draft.norm)
+            self.pre_fc_norm = norm_of(draft.pre_fc_norm) if draft.pre_fc_norm is not None else None
             self.layer = FastLayer(mid.self_attn, mid.mlp, None, mid.post_attention_layernorm, backend)
         else:
             layer = draft.layers[0]
@@ -64,7 +65,7 @@ class InferenceDraft:
         input_ids, positions = as_block(input_ids, positions)
         seq = input_ids.shape[1]
         self.reference.check_inputs(features, hidden)
-        h = hidden if features is None else (self.fc(features) if self.eagle3 else features)
+        h = hidden if features is None else (self.fuse(features) if self.eagle3 else features)
         cache.check_room(seq)
         mask = block_mask(cache, seq, attn_mask, input_ids.device)
         cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
@@ -78,7 +79,14 @@ class InferenceDraft:
             out = self.layer(self.fc(torch.cat([emb, h], dim=-1)), None, cos, sin, k_buf, v_buf,
                              cache.length, mask)
         cache.advance(seq)
+        if self.eagle3 and self.config.norm_output:
+            return DraftOutput(self._logits(out, logits_rows), self.backend.rms_norm(out, *self.norm))
         return DraftOutput(self._logits(out, logits_rows), out)
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        if self.pre_fc_norm is not None:
+            features = self.backend.rms_norm(features, *self.pre_fc_norm)
+        return self.fc(features)
 
     def _logits(self, h: torch.Tensor, logits_rows) -> Optional[torch.Tensor]:
         h = rows_of(h, logits_rows)

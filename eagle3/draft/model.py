@@ -41,6 +41,9 @@ class DraftConfig:
     vocab_size: int                      # target vocabulary V
     draft_vocab_size: int                # Vd (== V for EAGLE-1/2)
     aux_layer_ids: tuple[int, ...] = ()  # "input to layer i" convention; empty for EAGLE-1/2
+    # Eagle 3.1 variants (speculators): trained and served here, not written to any export format
+    norm_before_fc: bool = False         # RMSNorm over the fused k*Ht features before fc
+    norm_output: bool = False            # the hidden fed back across steps is the post-norm one
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -48,6 +51,9 @@ class DraftConfig:
         if self.algorithm == "eagle3" and not self.aux_layer_ids:
             raise ContractError("aux_layer_ids", self.aux_layer_ids, "at least one layer id",
                                 "an EAGLE-3 draft must say which target layers it reads")
+        if self.algorithm == "eagle" and (self.norm_before_fc or self.norm_output):
+            raise ContractError("norm_before_fc/norm_output", True, False,
+                                "the Eagle 3.1 norms exist for EAGLE-3 drafts only")
         if self.draft_vocab_size > self.vocab_size:
             raise ContractError("draft_vocab_size", self.draft_vocab_size, f"<= {self.vocab_size}",
                                 "the draft vocabulary must be a subset of the target's")
@@ -185,7 +191,10 @@ class DraftBase(nn.Module):
         out = self.layer_forward(self.embed_tokens(input_ids), h, cos, sin, k_buf, v_buf,
                                  cache.length, mask)
         cache.advance(seq)
-        return DraftOutput(self._logits(out, logits_rows), out)
+        return DraftOutput(self._logits(out, logits_rows), self.feedback(out))
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        return out
 
 
 class Eagle3Draft(DraftBase):
@@ -197,6 +206,7 @@ class Eagle3Draft(DraftBase):
             raise ContractError("algorithm", cfg.algorithm, "eagle3", "use Eagle1Draft for EAGLE-1/2")
         self._init_common(cfg)
         self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        self.pre_fc_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.midlayer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -207,7 +217,11 @@ class Eagle3Draft(DraftBase):
         f"concatenated ({self.fc.in_features} wide)"))
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
-        return self.fc(features)
+        return self.fc(features if self.pre_fc_norm is None else self.pre_fc_norm(features))
+
+    def feedback(self, out: torch.Tensor) -> torch.Tensor:
+        """The hidden handed to the next draft step: the layer's output, or its norm (norm_output)."""
+        return self.norm(out) if self.config.norm_output else out
 
     def layer_forward(self, emb, h, cos, sin, k_buf, v_buf, start, mask) -> torch.Tensor:
         return self.midlayer(emb, h, cos, sin, k_buf, v_buf, start, mask)

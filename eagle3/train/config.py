@@ -28,6 +28,14 @@ class TrainConfig:
     init_from: Optional[str] = None       # start from another run's checkpoint.pt or an exported draft (keeps its vocab)
     fc_init_rms: Optional[float] = 1.0    # rescale the initial fc so fc(aux) has this median RMS (None: off)
     fc_precondition: bool = False         # AdamW on fc as if its inputs were scaled to unit RMS per dim
+    # recipe switches (the draft-quality study; see docs/training.md)
+    freeze_lm_head: bool = False          # lm_head stays the target's rows of the draft vocabulary
+    norm_before_fc: bool = False          # RMSNorm over the fused k*Ht features before fc (Eagle 3.1)
+    norm_output: bool = False             # feed the post-norm hidden back across steps (Eagle 3.1)
+    init_layer_from: Optional[int] = None  # initialise the midlayer from this target layer
+    feature_noise: float = 0.0            # Gaussian noise on the aux features, std relative to each row's RMS
+    optimizer: str = "adamw"              # "adamw" | "muon" (Muon on the midlayer's and fc's 2-D weights)
+    schedule: str = "cosine"              # "cosine" | "linear" | "constant" (after the warmup)
     # training-time test
     ttt_steps: int = 7
     step_decay: float = 0.8
@@ -41,12 +49,15 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 0.5
     seed: int = 0
-    features: str = "cache"               # "cache" (safetensors shards) | "online"
+    features: str = "store"               # "store" (offline feature store, built once) | "online"
+    features_dir: Optional[str] = None    # the store's root, shareable by runs; None = <out>/features
+    eval_data: Optional[str] = None       # held-out conversations file (then eval_fraction is not used)
     autocast: str = "none"                # "bf16": matmuls in bfloat16 (fp32 master weights, fp32 loss)
     eval_fraction: float = 0.02
     eval_every: int = 200                 # steps
     checkpoint_every_s: float = 300.0
     max_steps: Optional[int] = None       # stop early (the schedule still spans all epochs)
+    max_tokens: Optional[int] = None      # token budget: stop at it, the schedule spans it (a study's unit)
     threads: Optional[int] = None
 
     @property

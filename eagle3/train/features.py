@@ -2,21 +2,17 @@
 
 A sample is one conversation: ids = prompt + response, loss_mask = response positions. The frozen
 target turns a batch of samples into features, either online (every training step) or once into
-safetensors shards (FeatureCache). Teacher logits are not stored (V floats per token): the final
-normed hidden state is, and the trainer recomputes the draft-vocab columns with the target lm_head;
-the full-vocabulary argmax (needed for the position mask) is stored as `next_ids`.
+the offline feature store (store.py). Teacher logits are never materialised per token: the final
+normed hidden state is kept, and the trainer computes the draft-vocab columns with the target
+lm_head; the full-vocabulary argmax (needed for the position mask) is kept as `next_ids`.
 """
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from ..errors import LoadError
 from ..models.llama import LlamaModel
@@ -99,108 +95,20 @@ def collate(samples: Sequence[Sample], feats: Sequence[Features], width: Optiona
                  pad_stack([f.hidden.float() for f in feats], width), pad_stack([f.next_ids for f in feats], width))
 
 
-# ---------------------------------------------------------------------------- on-disk cache
-@dataclass(frozen=True)
-class CacheInfo:
-    aux_layer_ids: tuple[int, ...]
-    num_samples: int
-    shard_size: int
-    dtype: str
-
-
-class FeatureCache:
-    """Features of sample i live in shard i // shard_size as rows [offsets[j], offsets[j+1])."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        meta = json.loads((root / "cache.json").read_text())
-        self.info = CacheInfo(tuple(meta["aux_layer_ids"]), meta["num_samples"], meta["shard_size"],
-                              meta["dtype"])
-        self._open: dict[int, tuple] = {}
-
-    @staticmethod
-    def complete(root: Path, aux_ids: Sequence[int], num_samples: int) -> bool:
-        meta = root / "cache.json"
-        if not meta.is_file():
-            return False
-        m = json.loads(meta.read_text())
-        return tuple(m["aux_layer_ids"]) == tuple(aux_ids) and m["num_samples"] == num_samples
-
-    def _shard(self, k: int):
-        if k not in self._open:
-            f = safe_open(str(self.root / f"shard-{k:05d}.safetensors"), framework="pt")
-            self._open[k] = (f, f.get_tensor("offsets").tolist())
-        return self._open[k]
-
-    def get(self, i: int) -> Features:
-        f, off = self._shard(i // self.info.shard_size)
-        j = i % self.info.shard_size
-        lo, hi = off[j], off[j + 1]
-        return Features(f.get_slice("aux")[lo:hi], f.get_slice("hidden")[lo:hi],
-                        f.get_slice("next_ids")[lo:hi].long())
-
-
-def build_cache(target: LlamaModel, samples: Sequence[Sample], aux_ids: Sequence[int], root: Path,
-                shard_size: int = 64, batch_size: int = 8, dtype: torch.dtype = torch.bfloat16,
-                progress=None) -> FeatureCache:
-    """Write every sample's features to shards (resumable: finished shards are kept)."""
-    root.mkdir(parents=True, exist_ok=True)
-    num_shards = (len(samples) + shard_size - 1) // shard_size
-    bar = progress(total=len(samples)) if progress else None
-    for k in range(num_shards):
-        part = samples[k * shard_size:(k + 1) * shard_size]
-        path = root / f"shard-{k:05d}.safetensors"
-        if not _shard_ok(path, part):
-            _write_shard(target, part, aux_ids, path, batch_size, dtype)
-        if bar:
-            bar.update(len(part))
-    meta = {"aux_layer_ids": list(aux_ids), "num_samples": len(samples), "shard_size": shard_size,
-            "dtype": str(dtype).replace("torch.", "")}
-    (root / "cache.json").write_text(json.dumps(meta))
-    return FeatureCache(root)
-
-
-def _shard_ok(path: Path, part: Sequence[Sample]) -> bool:
-    """A shard is reused only if it holds exactly these samples' lengths (a partial one is rewritten)."""
-    if not path.is_file():
-        return False
-    with safe_open(str(path), framework="pt") as f:
-        lengths = f.get_tensor("offsets").diff().tolist()
-    return lengths == [len(s.ids) for s in part]
-
-
-def _write_shard(target, part, aux_ids, path: Path, batch_size: int, dtype) -> None:
-    feats: list[Features] = []
-    order = sorted(range(len(part)), key=lambda i: len(part[i].ids))   # less padding per batch
-    done: dict[int, Features] = {}
-    for i in range(0, len(order), batch_size):
-        idx = order[i:i + batch_size]
-        for j, f in zip(idx, target_features(target, [part[j] for j in idx], aux_ids, dtype)):
-            done[j] = f
-    feats = [done[j] for j in range(len(part))]
-    lengths = torch.tensor([len(f.next_ids) for f in feats])
-    offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-    tensors = {"aux": torch.cat([f.aux for f in feats]).contiguous(),
-               "hidden": torch.cat([f.hidden for f in feats]).contiguous(),
-               "next_ids": torch.cat([f.next_ids for f in feats]).int().contiguous(), "offsets": offsets}
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp))
-    os.replace(tmp, path)
-
-
 class FeatureSource:
-    """Features for sample indices: from a FeatureCache, or computed online by the target."""
+    """Features for sample indices: from a feature store (store.FeatureStore: anything with
+    get(i) -> Features), or computed online by the target."""
 
-    def __init__(self, samples: Sequence[Sample], aux_ids: Sequence[int],
-                 cache: Optional[FeatureCache] = None, target: Optional[LlamaModel] = None):
-        if (cache is None) == (target is None):
-            raise ValueError("give exactly one of cache= or target=")
-        self.samples, self.aux_ids, self.cache, self.target = samples, tuple(aux_ids), cache, target
+    def __init__(self, samples: Sequence[Sample], aux_ids: Sequence[int], store=None,
+                 target: Optional[LlamaModel] = None):
+        if (store is None) == (target is None):
+            raise ValueError("give exactly one of store= or target=")
+        self.samples, self.aux_ids, self.store, self.target = samples, tuple(aux_ids), store, target
 
     def batch(self, indices: Sequence[int], width: Optional[int] = None) -> Batch:
         samples = [self.samples[i] for i in indices]
-        if self.cache is not None:
-            feats = [self.cache.get(i) for i in indices]
+        if self.store is not None:
+            feats = [self.store.get(i) for i in indices]
         else:
             feats = target_features(self.target, samples, self.aux_ids)
         return collate(samples, feats, width)

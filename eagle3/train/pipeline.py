@@ -17,17 +17,19 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from ..errors import ContractError, InputError
+from ..errors import ContractError, InputError, UnsupportedError
 from ..models.config import ModelConfig
 from ..models.llama import LlamaModel
 from ..draft.model import DraftConfig, Eagle3Draft
 from .config import TrainConfig
-from .features import Batch, FeatureCache, FeatureSource, Sample, build_cache, load_conversations
+from .features import Batch, FeatureSource, Sample
+from .store import FeatureStore, PartKey, StorePart, build_part, part_complete, target_fingerprint
 from .trainer import Cursor, Dist, Run, TrainState, load_checkpoint, make_optimizer, restore, train_loop
 from .ttt import TTTConfig, TTTModel
 from .vocab import DraftVocab, build_vocab, count_tokens, coverage
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+STORE_DTYPE = "bfloat16"
 
 
 class Prepared(NamedTuple):
@@ -35,6 +37,13 @@ class Prepared(NamedTuple):
     train_idx: list[int]
     eval_idx: list[int]
     vocab: DraftVocab
+
+
+class DataPart(NamedTuple):
+    """A run's samples come from parts (data files) in order; each is one part of the feature store."""
+    name: str               # store part directory (store.part_name of the file)
+    count: int              # samples
+    held_out: bool = False  # the eval_data file: evaluated on, never trained on
 
 
 # ---------------------------------------------------------------------------- stages
@@ -46,9 +55,21 @@ def split(num: int, eval_fraction: float) -> tuple[list[int], list[int]]:
     return [i for i in range(num) if i % every != every - 1], [i for i in range(num) if i % every == every - 1]
 
 
+def split_parts(parts: Sequence[DataPart], eval_fraction: float) -> tuple[list[int], list[int]]:
+    """Held-out parts are the eval set when there is one (a study's fixed conversations), else
+    every k-th conversation of the training parts."""
+    starts = [sum(p.count for p in parts[:k]) for k in range(len(parts))]
+    train_idx = [s + i for p, s in zip(parts, starts) if not p.held_out for i in range(p.count)]
+    held = [s + i for p, s in zip(parts, starts) if p.held_out for i in range(p.count)]
+    if held:
+        return train_idx, held
+    keep, out = split(len(train_idx), eval_fraction)
+    return [train_idx[i] for i in keep], [train_idx[i] for i in out]
+
+
 def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optional[Path],
-            warm: Optional["WarmSource"] = None) -> Prepared:
-    train_idx, eval_idx = split(len(samples), cfg.eval_fraction)
+            warm: Optional["WarmSource"] = None, parts: Optional[Sequence[DataPart]] = None) -> Prepared:
+    train_idx, eval_idx = split_parts(parts or [DataPart("samples", len(samples))], cfg.eval_fraction)
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in train_idx), vocab_size)
     if warm is not None:
         # a warm start keeps the source's draft vocabulary, so more data can be added to a run
@@ -91,8 +112,10 @@ class WarmSource(NamedTuple):
 
 
 def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle3Draft:
-    """Draft shaped like the target; embedding shared and frozen; lm_head starts as the target's rows."""
-    dcfg = DraftConfig.for_target(target.config, len(vocab.used), cfg.aux_layer_ids)
+    """Draft shaped like the target; embedding shared and frozen; lm_head starts as the target's rows
+    (frozen there with freeze_lm_head); the midlayer from a target layer with init_layer_from."""
+    dcfg = replace(DraftConfig.for_target(target.config, len(vocab.used), cfg.aux_layer_ids),
+                   norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output)
     torch.manual_seed(cfg.seed)
     draft = Eagle3Draft(dcfg)
     draft.set_embedding(target.embed_tokens.weight.detach())
@@ -101,7 +124,30 @@ def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle
         draft.t2d.copy_(vocab.t2d)
         draft.lm_head.weight.copy_(target.lm_head.weight[vocab.used])
         draft.norm.weight.copy_(target.norm.weight)
+    draft.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
+    if cfg.init_layer_from is not None:
+        init_layer_from(draft, target, cfg.init_layer_from)
     return draft
+
+
+@torch.no_grad()
+def init_layer_from(draft: Eagle3Draft, target: LlamaModel, layer: int) -> None:
+    """The midlayer from target layer `layer`: attention's hidden half (the input columns reading
+    hidden_norm(h)) takes the layer's q/k/v, hidden_norm its input norm; o_proj, the MLP and the
+    post-attention norm are copied; the embedding half keeps its random start. Biases and q/k
+    norms of the target layer (Qwen2, Qwen3) have no place in the draft: refused, not dropped."""
+    if not 0 <= layer < len(target.layers):
+        raise InputError(f"init_layer_from={layer}: the target has layers 0..{len(target.layers) - 1}")
+    src, mid, h = target.layers[layer], draft.midlayer, draft.config.hidden_size
+    if src.self_attn.q_proj.bias is not None or src.self_attn.q_norm is not None:
+        raise UnsupportedError(f"init_layer_from: target layer {layer} has attention biases or q/k "
+                               "norms, which the draft's midlayer does not carry; start without it")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(mid.self_attn, name).weight[:, h:] = getattr(src.self_attn, name).weight
+    mid.hidden_norm.weight.copy_(src.input_layernorm.weight)
+    mid.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
+    mid.mlp.load_state_dict(src.mlp.state_dict())
+    mid.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
 
 
 @torch.no_grad()
@@ -140,26 +186,33 @@ def fc_column_scale(batch: Batch) -> torch.Tensor:
 
 
 def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], cfg: TrainConfig,
-                   d: Dist) -> FeatureSource:
+                   d: Dist, out: Path, parts: Optional[Sequence[DataPart]] = None) -> FeatureSource:
     if cfg.features == "online":
         return FeatureSource(prep.samples, aux_ids, target=target)
-    if cfg.features != "cache":
-        raise InputError(f"features={cfg.features!r}: choose 'cache' or 'online'")
-    root = cfg.out_dir / "features"
-    if d.main and not FeatureCache.complete(root, aux_ids, len(prep.samples)):
-        build_cache(target, prep.samples, aux_ids, root,
-                    progress=lambda **kw: tqdm(desc="features", mininterval=10, **kw))
-    if d.world > 1:
-        dist.barrier()
-    return FeatureSource(prep.samples, aux_ids, cache=FeatureCache(root))
+    if cfg.features != "store":
+        raise InputError(f"features={cfg.features!r}: choose 'store' (offline feature store) or 'online'")
+    root = Path(cfg.features_dir) if cfg.features_dir else out / "features"
+    key = PartKey(target_fingerprint(target), tuple(aux_ids), STORE_DTYPE)
+    opened, start = [], 0
+    for part in parts or [DataPart("samples", len(prep.samples))]:
+        samples = prep.samples[start:start + part.count]
+        if d.main and not part_complete(root / part.name, key, samples):
+            build_part(target, samples, key, root / part.name,
+                       progress=lambda **kw: tqdm(desc=f"features {part.name}", mininterval=10, **kw))
+        if d.world > 1:
+            dist.barrier()
+        opened.append((StorePart(root / part.name, key, samples), part.count))
+        start += part.count
+    return FeatureSource(prep.samples, aux_ids, store=FeatureStore(opened))
 
 
 def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist,
-              out: Optional[Path], warm: Optional[WarmSource] = None) -> tuple[Run, TTTModel]:
-    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None, warm)
+              out: Optional[Path], warm: Optional[WarmSource] = None,
+              parts: Optional[Sequence[DataPart]] = None) -> tuple[Run, TTTModel]:
+    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None, warm, parts)
     draft = make_draft(target, cfg, prep.vocab)
-    model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay))
-    source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d)
+    model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay, cfg.feature_noise))
+    source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d, out or cfg.out_dir, parts)
     # fc statistics on the first training batch (deterministic, so a resumed run gets the same)
     first = source.batch(prep.train_idx[:cfg.batch_size]) if cfg.fc_init_rms or cfg.fc_precondition else None
     if cfg.fc_init_rms:
@@ -169,17 +222,19 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
     wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
     ckpt_dir = out or cfg.out_dir
     run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],
-              prep.train_idx, prep.eval_idx, ckpt_dir / "checkpoint.pt", ckpt_dir / "train_log.jsonl")
+              prep.train_idx, prep.eval_idx, ckpt_dir / "checkpoint.pt", ckpt_dir / "train_log.jsonl",
+              [list(p) for p in parts or []])
     return run, model
 
 
 def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist = Dist(),
-          out: Optional[Path] = None, progress=None) -> Eagle3Draft:
-    """Train (resuming from out/checkpoint.pt when present) and return the draft."""
+          out: Optional[Path] = None, progress=None, parts: Optional[Sequence[DataPart]] = None) -> Eagle3Draft:
+    """Train (resuming from out/checkpoint.pt when present) and return the draft. `parts`: where
+    the samples come from (data files in order, the held-out file last); None = one part."""
     out = out or cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     warm = WarmSource.load(Path(cfg.init_from), target.config) if cfg.init_from else None
-    run, model = build_run(target, samples, cfg, d, out, warm)
+    run, model = build_run(target, samples, cfg, d, out, warm, parts)
     state = TrainState(0, Cursor(0, 0))
     if run.ckpt.is_file():
         state = restore(run.ckpt, model, run.opt)

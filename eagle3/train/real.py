@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -10,10 +11,12 @@ from tqdm import tqdm
 from ..runtime.assets import mtbench_questions, sharegpt_json
 from ..runtime.loader import load_model, load_tokenizer, resolve_model
 from ..draft.formats import save_draft
+from ..errors import UnsupportedError
 from .config import TrainConfig
 from .data import PromptFilter, select_prompts
-from .features import load_conversation_files
-from .pipeline import train
+from .features import load_conversations
+from .pipeline import DataPart, train
+from .store import part_name
 from .regen import RegenConfig, RegenJob, run_regen
 from .trainer import Dist, load_checkpoint
 
@@ -31,12 +34,31 @@ def ensure_data(cfg: TrainConfig, target, tokenizer, source_name: str) -> None:
     run_regen(target, tokenizer, job, rcfg, progress=lambda **kw: tqdm(desc="data", mininterval=10, **kw))
 
 
-def load_samples(cfg: TrainConfig) -> list:
-    samples = load_conversation_files(cfg.data_paths, cfg.max_len)
+def load_data(cfg: TrainConfig) -> tuple[list, list[DataPart]]:
+    """The run's samples (data files in order, then eval_data) and where each part comes from. A
+    resumed run keeps the counts its checkpoint started with, even if a file has grown since."""
+    files = [(p, False) for p in cfg.data_paths] + ([(Path(cfg.eval_data), True)] if cfg.eval_data else [])
     ckpt = cfg.out_dir / "checkpoint.pt"
-    if ckpt.is_file():                            # resume on the same data even if the file grew
-        samples = samples[:load_checkpoint(ckpt)["num_samples"]]
-    return samples
+    counts = None
+    if ckpt.is_file():
+        ck = load_checkpoint(ckpt)
+        counts = [n for _, n, _ in ck.get("parts") or []] or None
+        total = ck["num_samples"]
+    samples, parts = [], []
+    for k, (path, held_out) in enumerate(files):
+        part = load_conversations(path, cfg.max_len)
+        if counts is not None:
+            part = part[:counts[k]]
+        samples += part
+        parts.append(DataPart(part_name(path), len(part), held_out))
+    if ckpt.is_file() and counts is None:         # a checkpoint from before parts were recorded
+        samples = samples[:total]
+        parts = [DataPart("samples", total)]
+    return samples, parts
+
+
+def load_samples(cfg: TrainConfig) -> list:
+    return load_data(cfg)[0]
 
 
 def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
@@ -50,9 +72,15 @@ def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
     if d.world > 1:
         torch.distributed.barrier()
     t0 = time.time()
-    draft = train(target, load_samples(cfg), cfg, d,
-                  progress=lambda **kw: tqdm(desc="train", mininterval=5, **kw))
+    samples, parts = load_data(cfg)
+    draft = train(target, samples, cfg, d, progress=lambda **kw: tqdm(desc="train", mininterval=5, **kw),
+                  parts=parts)
     if d.main:
-        out = save_draft(draft, cfg.out_dir / "draft", "specforge", target.config)
+        try:
+            out = save_draft(draft, cfg.out_dir / "draft", "specforge", target.config)
+        except UnsupportedError as e:              # a study variant no export layout writes
+            print(f"trained in {time.time() - t0:.0f} s; checkpoint {cfg.out_dir / 'checkpoint.pt'} "
+                  f"kept, no export: {e}")
+            return 0
         print(f"trained in {time.time() - t0:.0f} s; draft written to {out}")
     return 0

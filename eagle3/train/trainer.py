@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import InputError
 from .config import TrainConfig
 from .features import FeatureSource, collate
 from .ttt import StepStats, TTTModel
@@ -58,12 +59,19 @@ def epoch_batches(lengths: Sequence[int], indices: Sequence[int], batch_size: in
     return [batches[i] for i in order]
 
 
+SCHEDULES = {"cosine": lambda t: 0.5 * (1 + math.cos(math.pi * t)), "linear": lambda t: 1 - t,
+             "constant": lambda t: 1.0}
+
+
 def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine down to cfg.lr * min_lr_ratio at `total`."""
+    """Linear warmup to cfg.lr, then the schedule (cosine, linear or constant) down to
+    cfg.lr * min_lr_ratio at `total`."""
+    if cfg.schedule not in SCHEDULES:
+        raise InputError(f"schedule={cfg.schedule!r}: choose one of {', '.join(SCHEDULES)}")
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     t = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * SCHEDULES[cfg.schedule](t))
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -97,9 +105,52 @@ def restore(path: Path, model: TTTModel, opt: torch.optim.Optimizer) -> TrainSta
 
 
 # ---------------------------------------------------------------------------- one step
+class Optimizers:
+    """Muon on some parameters and AdamW on the rest, stepped and checkpointed as one optimizer
+    (param_groups concatenated, so the schedule sets every group's lr)."""
+
+    def __init__(self, parts: Sequence[torch.optim.Optimizer]):
+        self.parts = list(parts)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        # read through every time: load_state_dict replaces a part's group dicts
+        return [g for o in self.parts for g in o.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.parts:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        for o in self.parts:
+            o.step()
+
+    def state_dict(self) -> dict:
+        return {"parts": [o.state_dict() for o in self.parts]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for o, st in zip(self.parts, state["parts"]):
+            o.load_state_dict(st)
+
+
 def make_optimizer(model: TTTModel, cfg: TrainConfig) -> torch.optim.Optimizer:
-    params = [p for p in model.draft.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    """AdamW on every trainable weight, or (optimizer = "muon") Muon on fc's and the midlayer's 2-D
+    weights with AdamW on the rest (norms, lm_head): Muon's update is scaled to AdamW's RMS
+    (adjust_lr_fn "match_rms_adamw"), so one lr and schedule serve both."""
+    params = [(n, p) for n, p in model.draft.named_parameters() if p.requires_grad]
+    adamw = dict(lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW([p for _, p in params], **adamw)
+    if cfg.optimizer != "muon":
+        raise InputError(f"optimizer={cfg.optimizer!r}: choose 'adamw' or 'muon'")
+    if cfg.fc_precondition:
+        raise InputError("fc_precondition rescales AdamW's per-element steps on fc; with "
+                         "optimizer=muon set fc_precondition=false")
+    muon = [p for n, p in params if p.ndim == 2 and (n.startswith("midlayer.") or n == "fc.weight")]
+    rest = [p for n, p in params if not any(p is m for m in muon)]
+    return Optimizers([torch.optim.Muon(muon, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                        adjust_lr_fn="match_rms_adamw"),
+                       torch.optim.AdamW(rest, **adamw)])
 
 
 def rank_part(global_batch: list[int], d: Dist) -> list[int]:
@@ -151,11 +202,14 @@ def evaluate(model: TTTModel, source: FeatureSource, indices: Sequence[int], bat
              cfg: Optional[TrainConfig] = None) -> dict:
     """Per-step accuracy on held-out conversations and the chain acceptance estimate."""
     correct = counted = 0
+    was_training = model.training
+    model.eval()                                      # no feature noise
     for b in range(0, len(indices), batch_size):
         part = list(indices[b:b + batch_size])
         with autocast(cfg or TrainConfig()):
             stats = model(source.batch(part))
         correct, counted = correct + stats.correct.double(), counted + stats.counted.double()
+    model.train(was_training)
     acc = (correct / counted.clamp_min(1)).tolist() if len(indices) else []
     chain = [math.prod(acc[:k + 1]) for k in range(len(acc))]
     return {"acc": [round(a, 4) for a in acc], "chain_accept": [round(c, 4) for c in chain],
@@ -172,11 +226,23 @@ class Run(NamedTuple):
     eval_idx: list[int]
     ckpt: Path
     log: Path
+    parts: list = []                # [name, count, held_out] per data file (checkpointed)
 
 
 def total_steps(run: Run, cfg: TrainConfig) -> int:
-    per_epoch = len(epoch_batches(run.lengths, run.train_idx, cfg.batch_size, cfg.seed, 0))
-    return per_epoch * cfg.epochs
+    """Steps of the whole schedule: all epochs, or (max_tokens) the steps whose batches reach the
+    token budget, over as many epochs as that takes."""
+    if cfg.max_tokens is None:
+        per_epoch = len(epoch_batches(run.lengths, run.train_idx, cfg.batch_size, cfg.seed, 0))
+        return per_epoch * cfg.epochs
+    seen, steps, epoch = 0, 0, 0
+    while seen < cfg.max_tokens:
+        for gb in epoch_batches(run.lengths, run.train_idx, cfg.batch_size, cfg.seed, epoch):
+            seen, steps = seen + sum(run.lengths[i] for i in gb), steps + 1
+            if seen >= cfg.max_tokens:
+                break
+        epoch += 1
+    return steps
 
 
 def train_loop(run: Run, cfg: TrainConfig, state: TrainState, d: Dist,
@@ -216,7 +282,7 @@ def train_loop(run: Run, cfg: TrainConfig, state: TrainState, d: Dist,
 def checkpoint_dict(model: TTTModel, opt, step: int, cursor: Cursor, cfg: TrainConfig, run: Run) -> dict:
     return {"draft": trainable_state(model), "optimizer": opt.state_dict(), "step": step,
             "cursor": list(cursor), "rng": torch.get_rng_state(), "config": json.dumps(cfg.to_dict()),
-            "num_samples": len(run.lengths)}
+            "num_samples": len(run.lengths), "parts": run.parts}
 
 
 def step_record(step, cursor, stats: StepStats, lr, dt, gb, run: Run) -> dict:

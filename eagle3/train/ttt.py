@@ -32,6 +32,7 @@ from .features import Batch
 class TTTConfig:
     num_steps: int = 7
     step_decay: float = 0.8
+    feature_noise: float = 0.0    # training only: aux + noise * RMS(aux row) * N(0, 1)
 
 
 class Aligned(NamedTuple):
@@ -127,12 +128,22 @@ class TTTModel(nn.Module):
         bsz, seq = a.ids.shape
         causal = torch.ones(seq, seq, dtype=torch.bool, device=a.ids.device).tril()
         mask0 = (causal[None] & a.valid[:, None, :])[:, None]           # [B, 1, T, T]
-        h, kv, outs = self.draft.fc(a.aux), [], []
+        h, kv, outs = self.draft.fuse(self.noisy(a.aux)), [], []
         for k in range(self.cfg.num_steps):
             positions = (torch.arange(seq, device=a.ids.device) + k)[None].expand(bsz, seq)
-            h = self.step(h, shift_left(a.ids, k), positions, kv, mask0)
-            outs.append(h)
+            out = self.step(h, shift_left(a.ids, k), positions, kv, mask0)
+            outs.append(out)
+            h = self.draft.feedback(out)              # norm_output: the post-norm hidden goes on
         return outs
+
+    def noisy(self, aux: torch.Tensor) -> torch.Tensor:
+        """Feature noise (training only), relative to each row's RMS: the targets' residual streams
+        differ in scale by orders of magnitude between dims and tokens, so an absolute std would be
+        lost on some rows and swamp others. Drawn from the global RNG (checkpointed)."""
+        if not self.training or self.cfg.feature_noise <= 0:
+            return aux
+        rms = aux.pow(2).mean(-1, keepdim=True).sqrt()
+        return aux + self.cfg.feature_noise * rms * torch.randn_like(aux)
 
     # ------------------------------------------------------------------ loss
     def forward(self, batch: Batch, denominator: Optional[float] = None) -> StepStats:
