@@ -154,15 +154,14 @@ class TTTModel(nn.Module):
             pmask = self.draft.t2d[a.teacher_argmax] & a.loss_mask
         losses, correct, counted = [], [], []
         for k, h in enumerate(self.unroll(a)):
-            lmask, pm = shift_left(a.loss_mask, k), shift_left(pmask, k)
-            rows = lmask.nonzero(as_tuple=True)
-            logits = self.draft.lm_head(self.draft.norm(h[rows]))              # [N, Vd]
-            target = shift_left(teacher_logp, k)[rows].exp()
-            ce = -(target * torch.log_softmax(logits.float(), -1)).sum(-1)
-            losses.append((ce * pm[rows]).sum() / denom)
+            b, i = shift_left(a.loss_mask, k).nonzero(as_tuple=True)   # rows whose token i+k is scored
+            logits = self.draft.lm_head(self.draft.norm(h[b, i]))       # [N, Vd]
+            logp = torch.log_softmax(logits.float(), -1)
+            ce = -torch.linalg.vecdot(teacher_logp[b, i + k].exp(), logp)
+            losses.append((ce * pmask[b, i + k]).sum() / denom)
             with torch.no_grad():
-                pred = self.draft.to_target_ids(logits.argmax(-1))
-                correct.append((pred == shift_left(a.teacher_argmax, k)[rows]).sum())
+                pred = self.draft.to_target_ids(logp.argmax(-1))       # fp32: argmax on bf16 is slow
+                correct.append((pred == a.teacher_argmax[b, i + k]).sum())
                 counted.append(torch.tensor(len(pred)))
         weights = torch.tensor([self.cfg.step_decay ** k for k in range(len(losses))])
         step_loss = torch.stack(losses)
