@@ -209,6 +209,14 @@ def test_a_type_without_a_kernel_is_dequantised_and_said(tmp_path):
     assert list(weights.codes) == ["layers.0.self_attn.q_proj.weight"]
     assert weights.dequantized == {"layers.0.self_attn.v_proj.weight": "F16"}
     assert "no kernel for F16: 1 tensor(s) dequantised to fp32" in weights.describe()
+    # a model linear that no GGUF tensor name maps to is said too (a naming this reader lacks)
+    params = {"layers.0.self_attn.q_proj.weight": torch.zeros(32, 64), "layers.0.self_attn.v_proj.weight":
+              torch.zeros(32, 64), "layers.0.mlp.gate_proj.weight": torch.zeros(8, 64),
+              "layers.0.input_layernorm.weight": torch.zeros(64), "lm_head.weight": torch.zeros(96, 64)}
+    weights.match(params)
+    assert weights.unmatched == ["layers.0.mlp.gate_proj.weight", "lm_head.weight"]
+    assert ("2 linear weight(s) matched no GGUF tensor name and run dequantised in fp32 "
+            "(layers.0.mlp.gate_proj.weight, lm_head.weight)") in weights.describe()
 
 
 # ---------------------------------------------------------------------------- the packaged GGUF
@@ -222,6 +230,7 @@ def test_the_packaged_ggufs_codes_give_the_exact_models_logits(real_model):
     model, _, src = real_model
     codes = load_gguf_codes(src.gguf, src.hf_dir, model)       # read once, then from beside the conversion
     assert {qc.ggml_type for qc in codes.codes.values()} == {"Q4_1", "Q8_0"}
+    assert codes.unmatched == []                                # every linear runs on the kernels
     # the cached codes sit beside the model directory: vLLM loads every *.safetensors in it
     assert sorted(p.name for p in src.hf_dir.glob("*.safetensors")) == ["model.safetensors"]
     layout = build_target(model, torch.float32, row_stable=True, gguf=codes)

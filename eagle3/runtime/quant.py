@@ -27,7 +27,7 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -162,6 +162,7 @@ class GgufWeights:
     codes: dict[str, QuantCodes]                  # module weight name -> codes (kernel types)
     types: Counter                                # GGUF type -> tensors (linears only)
     dequantized: dict[str, str]                   # module weight name -> its type without a kernel
+    unmatched: list[str] = field(default_factory=list)   # model linears no GGUF tensor name maps to
 
     def describe(self) -> str:
         kinds = ", ".join(f"{t} x{n}" for t, n in sorted(self.types.items()))
@@ -170,7 +171,18 @@ class GgufWeights:
             missing = sorted(set(self.dequantized.values()))
             line += (f"; no kernel for {', '.join(missing)}: {len(self.dequantized)} tensor(s) "
                      "dequantised to fp32")
+        if self.unmatched:
+            shown = ", ".join(self.unmatched[:3]) + (", ..." if len(self.unmatched) > 3 else "")
+            line += (f"; {len(self.unmatched)} linear weight(s) matched no GGUF tensor name and run "
+                     f"dequantised in fp32 ({shown})")
         return line
+
+    def match(self, params: dict) -> "GgufWeights":
+        """Record the model's linear weights that no GGUF tensor name maps to (a file whose
+        tensor naming this reader does not know): said by describe(), never silent."""
+        linear = [n for n, p in params.items() if p.ndim == 2 and n.endswith(("proj.weight", "lm_head.weight"))]
+        self.unmatched = sorted(n for n in linear if n not in self.codes and n not in self.dequantized)
+        return self
 
 
 def linear_tensors(reader, tie_word_embeddings: bool):
@@ -249,11 +261,12 @@ def load_gguf_codes(gguf_path: str | os.PathLike, hf_dir: str | os.PathLike,
     # beside the conversion, not in it: tools that load every *.safetensors of a model directory
     # (vLLM) would take the codes for weights
     cached = Path(hf_dir).with_name(Path(hf_dir).name + CODES_SUFFIX)
+    params = dict(model.named_parameters(remove_duplicate=False))
     if cached.is_file():
-        return _read_cache(cached)
+        return _read_cache(cached).match(params)
     weights = read_gguf_codes(gguf_path, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings)
     _write_cache(weights, cached)
-    return weights
+    return weights.match(params)
 
 
 def _write_cache(weights: GgufWeights, path: Path) -> None:
