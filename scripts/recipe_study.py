@@ -22,8 +22,8 @@ from pathlib import Path
 BASE = {
     "target": "smollm2", "data": ["runs/study/regen_train.jsonl"], "eval_data": "runs/study/heldout.jsonl",
     "features": "store", "draft_vocab_size": 12288, "ttt_steps": 7, "step_decay": 0.8, "max_len": 512,
-    "batch_size": 8, "lr": 3e-4, "warmup_steps": 20, "min_lr_ratio": 0.05, "schedule": "cosine",
-    "optimizer": "adamw", "autocast": "bf16", "fc_precondition": True, "seed": 6, "eval_every": 50,
+    "batch_size": 4, "lr": 3e-4, "warmup_steps": 10, "min_lr_ratio": 0.05, "schedule": "cosine",
+    "optimizer": "adamw", "autocast": "bf16", "fc_precondition": True, "seed": 6, "eval_every": 30,
     "checkpoint_every_s": 120.0, "threads": 2,
 }
 ROWS: dict[str, tuple[str, dict]] = {
@@ -81,7 +81,7 @@ def report(out: Path, budget: int, path: Path) -> str:
     base = next((r for r in rows if r["row"] == "a_today"), None)
     lines = [f"# Draft recipe study: SmolLM2-135M, {budget:,} training tokens per row", "",
              "Same data order (seed 6), same 53 held-out regenerated conversations (every 33rd of "
-             "runs/data), features from one offline store (bf16), 2 threads, batch 8, bf16 autocast. "
+             "runs/data), features from one offline store (bf16), 2 threads, batch 4, bf16 autocast. "
              "Held-out accuracy per TTT step (teacher-forced; step k = k-th draft token given the "
              "previous ones were right) and est. tau = 1 + sum of chained step accuracies.", "",
              "| row | recipe | steps | tokens | tok/s | step-0 acc | step-1 | step-2 | est. tau | vs (a) |",
