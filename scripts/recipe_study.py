@@ -39,6 +39,7 @@ ROWS: dict[str, tuple[str, dict]] = {
               {"data": ["runs/study/regen_train.jsonl", "runs/study/sharegpt/conversations.jsonl"]}),
     "i_vocab8k": ("draft vocabulary 8192", {"draft_vocab_size": 8192}),
     "i_vocab16k": ("draft vocabulary 16384", {"draft_vocab_size": 16384}),
+    "j_two_layers": ("two decoder layers (midlayer + a Llama layer)", {"draft_layers": 2}),
 }
 
 

@@ -1,9 +1,11 @@
 """Tiny random targets and drafts for the speculative-decoding tests (no files, no downloads)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterator, Optional, Sequence
 
 import pytest
+
 import torch
 
 from eagle3.generate import Engine, SamplingParams
@@ -49,10 +51,11 @@ def tiny_target(seed: int = 0, vocab: int = 32, std: float = 0.3, layers: int = 
 
 
 def tiny_draft(target: LlamaModel, seed: int = 1, draft_vocab: Optional[int] = None,
-               algorithm: str = "eagle3") -> Eagle3Draft | Eagle1Draft:
+               algorithm: str = "eagle3", layers: int = 1) -> Eagle3Draft | Eagle1Draft:
     torch.manual_seed(seed)
     cfg = DraftConfig.for_target(target.config, draft_vocab_size=draft_vocab,
                                  aux_layer_ids=AUX_IDS, algorithm=algorithm)
+    cfg = replace(cfg, num_layers=layers)
     draft = (Eagle3Draft if algorithm == "eagle3" else Eagle1Draft)(cfg)
     with torch.no_grad():
         for name, p in draft.named_parameters():

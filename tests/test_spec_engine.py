@@ -118,6 +118,23 @@ def test_greedy_identical_with_eagle1_draft(target, reference):
         assert result.token_ids == reference
 
 
+def test_two_layer_draft_greedy_identical_and_its_caches_equal_one_pass(target, reference):
+    """num_layers = 2 (the recipe study's (j)): both draft layers' caches stay those of one pass."""
+    draft = tiny_draft(target, layers=2)
+    for spec in (SpecParams.chain(3), SpecParams(3, 3, 8, 0.0)):
+        assert spec_engine(target, draft, spec).generate(prompt_ids=PROMPT, params=GREEDY).token_ids == reference
+    dec, emitted = run_decoder(target, draft, SpecParams(3, 3, 8, 0.0), steps=5)
+    seq = torch.tensor([PROMPT + emitted[:-1]])
+    length = seq.shape[1]
+    out = target(seq, torch.arange(length), target.new_cache(128), capture_ids=draft.config.aux_layer_ids)
+    full = draft.new_cache(128)
+    with torch.inference_mode():
+        draft(torch.tensor([PROMPT[1:] + emitted]), torch.arange(length), full, features=out.aux)
+    assert dec.draft_cache.k.shape[0] == 2 and dec.draft_cache.length == length
+    assert torch.allclose(dec.draft_cache.k[..., :length, :], full.k[..., :length, :], atol=1e-4)
+    assert torch.allclose(dec.draft_cache.v[..., :length, :], full.v[..., :length, :], atol=1e-4)
+
+
 def test_stop_token_inside_accepted_draft_tokens(target, reference):
     stop = reference[11]
     plain = Engine(target, StubTokenizer(), max_model_len=100)

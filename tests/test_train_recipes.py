@@ -55,9 +55,10 @@ def test_freeze_lm_head_keeps_the_target_rows_and_trains_the_rest(target, sample
     assert not torch.equal(draft.fc.weight, start.fc.weight)
 
 
-def eagle31_draft(target, norm_before_fc: bool, norm_output: bool, seed: int = 1) -> Eagle3Draft:
+def eagle31_draft(target, norm_before_fc: bool, norm_output: bool, seed: int = 1, layers: int = 1) -> Eagle3Draft:
     torch.manual_seed(seed)
-    cfg = replace(DraftConfig.for_target(target.config), norm_before_fc=norm_before_fc, norm_output=norm_output)
+    cfg = replace(DraftConfig.for_target(target.config), norm_before_fc=norm_before_fc, norm_output=norm_output,
+                  num_layers=layers)
     draft = Eagle3Draft(cfg)
     draft.set_embedding(target.embed_tokens.weight.detach())
     with torch.no_grad():
@@ -67,9 +68,11 @@ def eagle31_draft(target, norm_before_fc: bool, norm_output: bool, seed: int = 1
     return draft
 
 
-@pytest.mark.parametrize("norm_before_fc,norm_output", [(True, False), (False, True), (True, True)])
-def test_eagle31_norms_training_equals_serving_step_by_step(target, norm_before_fc, norm_output):
-    draft = eagle31_draft(target, norm_before_fc, norm_output)
+@pytest.mark.parametrize("norm_before_fc,norm_output,layers", [(True, False, 1), (False, True, 1),
+                                                               (True, True, 1), (False, False, 2)])
+def test_eagle31_norms_and_two_layers_training_equals_serving_step_by_step(target, norm_before_fc,
+                                                                         norm_output, layers):
+    draft = eagle31_draft(target, norm_before_fc, norm_output, layers=layers)
     model = TTTModel(draft, target.lm_head.weight, TTTConfig(num_steps=3))
     a = align(make_batch(target))
     outs = model.unroll(a)
@@ -86,8 +89,19 @@ def test_eagle31_norms_training_equals_serving_step_by_step(target, norm_before_
                 torch.testing.assert_close(out.hidden[a.valid], want[a.valid], rtol=1e-4, atol=1e-5)
                 h = out.hidden
     # the flags change the result: without them the same weights give another step 1
-    plain = TTTModel(eagle31_draft(target, False, False), target.lm_head.weight, TTTConfig(num_steps=3))
-    assert not torch.allclose(plain.unroll(a)[1], outs[1], atol=1e-3)
+    if layers == 1:
+        plain = TTTModel(eagle31_draft(target, False, False), target.lm_head.weight, TTTConfig(num_steps=3))
+        assert not torch.allclose(plain.unroll(a)[1], outs[1], atol=1e-3)
+    else:
+        assert len(draft.extra_layers) == 1 and draft.new_cache(8).k.shape[0] == 2
+
+
+def test_draft_layers_switch_reaches_the_draft_and_is_not_exported(target, samples, tmp_path):
+    draft = train(target, samples, replace(BASE, draft_layers=2, max_steps=2), out=tmp_path)
+    assert draft.config.num_layers == 2
+    assert "extra_layers.0.self_attn.q_proj.weight" in draft.state_dict()
+    with pytest.raises(UnsupportedError, match="num_layers"):
+        save_draft(draft, tmp_path / "d", "specforge", target.config)
 
 
 def test_eagle31_draft_is_not_exported_silently(target, tmp_path):

@@ -634,10 +634,11 @@ def save_draft(draft: DraftBase, out_dir: str | os.PathLike, fmt: str = "specfor
     cfg = draft.config
     if cfg.algorithm == "eagle" and fmt != "eagle":
         raise UnsupportedError(f"{fmt} is an EAGLE-3 layout; EAGLE-1/2 drafts are saved as 'eagle'")
-    if cfg.norm_before_fc or cfg.norm_output:
+    if cfg.norm_before_fc or cfg.norm_output or cfg.num_layers != 1:
         raise UnsupportedError(
-            "this draft was trained with the Eagle 3.1 norms (norm_before_fc/norm_output), which no "
-            "export layout here writes and llama.cpp / SGLang do not run; train without them to export")
+            "this draft was trained with the Eagle 3.1 norms (norm_before_fc/norm_output) or more than "
+            "one layer (num_layers), which no export layout here writes and llama.cpp / SGLang do "
+            "not run; train without them to export")
     target = as_facts(target_info)
     dtype = dtype or draft.fc.weight.dtype
     hf = {"specforge": lambda: specforge_config(cfg, dtype, target),

@@ -37,6 +37,8 @@ class InferenceDraft:
             self.norm = norm_of(draft.norm)
             self.pre_fc_norm = norm_of(draft.pre_fc_norm) if draft.pre_fc_norm is not None else None
             self.layer = FastLayer(mid.self_attn, mid.mlp, None, mid.post_attention_layernorm, backend)
+            self.extra = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend)
+                          for l in draft.extra_layers]
         else:
             layer = draft.layers[0]
             self.layer = FastLayer(layer.self_attn, layer.mlp, None, layer.post_attention_layernorm, backend)
@@ -47,11 +49,12 @@ class InferenceDraft:
 
     @property
     def linears(self) -> list[PackedLinear]:
-        return [self.fc, *self.layer.linears, self.lm_head]
+        return [self.fc, *self.layer.linears, *(l for x in getattr(self, "extra", []) for l in x.linears),
+                self.lm_head]
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         cfg = self.config
-        return KVCache(1, cfg.num_kv_heads, cfg.head_dim, max_len, batch, torch.float32, self.device)
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, batch, torch.float32, self.device)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.reference.to_target_ids(draft_ids)
@@ -75,6 +78,8 @@ class InferenceDraft:
             rms = self.backend.rms_norm
             x_in = torch.cat([rms(emb, *self.input_norm), rms(h, *self.hidden_norm)], dim=-1)
             out = self.layer(h, x_in, cos, sin, k_buf, v_buf, cache.length, mask)
+            for i, layer in enumerate(self.extra):
+                out = layer(out, None, cos, sin, *cache.layer(i + 1), cache.length, mask)
         else:
             out = self.layer(self.fc(torch.cat([emb, h], dim=-1)), None, cos, sin, k_buf, v_buf,
                              cache.length, mask)

@@ -44,6 +44,7 @@ class DraftConfig:
     # Eagle 3.1 variants (speculators): trained and served here, not written to any export format
     norm_before_fc: bool = False         # RMSNorm over the fused k*Ht features before fc
     norm_output: bool = False            # the hidden fed back across steps is the post-norm one
+    num_layers: int = 1                  # >1: Llama layers after the midlayer (the study's (j); not exported)
 
     def __post_init__(self):
         if self.algorithm not in ALGORITHMS:
@@ -54,6 +55,9 @@ class DraftConfig:
         if self.algorithm == "eagle" and (self.norm_before_fc or self.norm_output):
             raise ContractError("norm_before_fc/norm_output", True, False,
                                 "the Eagle 3.1 norms exist for EAGLE-3 drafts only")
+        if self.num_layers < 1 or (self.algorithm == "eagle" and self.num_layers != 1):
+            raise ContractError("num_layers", self.num_layers, "1 (EAGLE-1/2) or >= 1 (EAGLE-3)",
+                                "a draft has its midlayer and optionally more layers after it")
         if self.draft_vocab_size > self.vocab_size:
             raise ContractError("draft_vocab_size", self.draft_vocab_size, f"<= {self.vocab_size}",
                                 "the draft vocabulary must be a subset of the target's")
@@ -105,6 +109,22 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class Eagle3ExtraLayer(nn.Module):
+    """A layer after the midlayer (num_layers > 1): a plain pre-norm Llama layer over the hidden."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.mlp = MLP(h, cfg.intermediate_size)
+
+    def forward(self, h, cos, sin, k_buf, v_buf, start, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_buf, v_buf, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
 def block_mask(cache: KVCache, seq: int, attn_mask: Optional[torch.Tensor],
                device: torch.device) -> Optional[torch.Tensor]:
     """The caller's mask, or plain causal for a block of several tokens."""
@@ -142,7 +162,7 @@ class DraftBase(nn.Module):
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         p = self.embed_tokens.weight
-        return KVCache(1, self.config.num_kv_heads, self.config.head_dim, max_len, batch,
+        return KVCache(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim, max_len, batch,
                        p.dtype, p.device)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
@@ -187,9 +207,7 @@ class DraftBase(nn.Module):
         cache.check_room(seq)
         mask = block_mask(cache, seq, attn_mask, input_ids.device)
         cos, sin = self.rotary(positions)
-        k_buf, v_buf = cache.layer(0)
-        out = self.layer_forward(self.embed_tokens(input_ids), h, cos, sin, k_buf, v_buf,
-                                 cache.length, mask)
+        out = self.layer_forward(self.embed_tokens(input_ids), h, cos, sin, cache, mask)
         cache.advance(seq)
         return DraftOutput(self._logits(out, logits_rows), self.feedback(out))
 
@@ -208,6 +226,7 @@ class Eagle3Draft(DraftBase):
         self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
         self.pre_fc_norm = RMSNorm(cfg.fc_in_features, cfg.rms_norm_eps) if cfg.norm_before_fc else None
         self.midlayer = Eagle3Layer(cfg)
+        self.extra_layers = nn.ModuleList(Eagle3ExtraLayer(cfg) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
 
@@ -223,8 +242,11 @@ class Eagle3Draft(DraftBase):
         """The hidden handed to the next draft step: the layer's output, or its norm (norm_output)."""
         return self.norm(out) if self.config.norm_output else out
 
-    def layer_forward(self, emb, h, cos, sin, k_buf, v_buf, start, mask) -> torch.Tensor:
-        return self.midlayer(emb, h, cos, sin, k_buf, v_buf, start, mask)
+    def layer_forward(self, emb, h, cos, sin, cache: KVCache, mask) -> torch.Tensor:
+        h = self.midlayer(emb, h, cos, sin, *cache.layer(0), cache.length, mask)
+        for i, layer in enumerate(self.extra_layers):
+            h = layer(h, cos, sin, *cache.layer(i + 1), cache.length, mask)
+        return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(h))
@@ -268,9 +290,9 @@ class Eagle1Draft(DraftBase):
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         return features  # fc needs the embedding too: applied in layer_forward
 
-    def layer_forward(self, emb, h, cos, sin, k_buf, v_buf, start, mask) -> torch.Tensor:
+    def layer_forward(self, emb, h, cos, sin, cache: KVCache, mask) -> torch.Tensor:
         x = self.fc(torch.cat([emb, h], dim=-1))
-        return self.layers[0](x, cos, sin, k_buf, v_buf, start, mask)
+        return self.layers[0](x, cos, sin, *cache.layer(0), cache.length, mask)
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         return self.lm_head(h)

@@ -33,6 +33,7 @@ class TrainConfig:
     norm_before_fc: bool = False          # RMSNorm over the fused k*Ht features before fc (Eagle 3.1)
     norm_output: bool = False             # feed the post-norm hidden back across steps (Eagle 3.1)
     init_layer_from: Optional[int] = None  # initialise the midlayer from this target layer
+    draft_layers: int = 1                 # >1: plain Llama layers after the midlayer (not exported)
     feature_noise: float = 0.0            # Gaussian noise on the aux features, std relative to each row's RMS
     optimizer: str = "adamw"              # "adamw" | "muon" (Muon on the midlayer's and fc's 2-D weights)
     schedule: str = "cosine"              # "cosine" | "linear" | "constant" (after the warmup)

@@ -115,7 +115,8 @@ def make_draft(target: LlamaModel, cfg: TrainConfig, vocab: DraftVocab) -> Eagle
     """Draft shaped like the target; embedding shared and frozen; lm_head starts as the target's rows
     (frozen there with freeze_lm_head); the midlayer from a target layer with init_layer_from."""
     dcfg = replace(DraftConfig.for_target(target.config, len(vocab.used), cfg.aux_layer_ids),
-                   norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output)
+                   norm_before_fc=cfg.norm_before_fc, norm_output=cfg.norm_output,
+                   num_layers=cfg.draft_layers)
     torch.manual_seed(cfg.seed)
     draft = Eagle3Draft(dcfg)
     draft.set_embedding(target.embed_tokens.weight.detach())

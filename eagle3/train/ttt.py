@@ -87,9 +87,9 @@ class TTTModel(nn.Module):
         self.register_buffer("teacher_head", teacher_head[used].detach().clone(), persistent=False)
 
     # ------------------------------------------------------------------ attention of one step
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor):
-        # x [B, T, 2H] -> q [B, heads, T, D], k/v [B, kv_heads, T, D] (q, k after RoPE)
-        attn = self.draft.midlayer.self_attn
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, attn=None):
+        # x [B, T, 2H] (midlayer) or [B, T, H] -> q [B, heads, T, D], k/v [B, kv_heads, T, D] (q, k after RoPE)
+        attn = attn or self.draft.midlayer.self_attn
         bsz, seq, _ = x.shape
         q = attn.q_proj(x).view(bsz, seq, attn.num_heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(bsz, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
@@ -112,10 +112,18 @@ class TTTModel(nn.Module):
 
     def step(self, h: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor, kv: list,
              mask0: torch.Tensor) -> torch.Tensor:
-        """One unrolled step: h [B, T, H] in -> pre-norm output [B, T, H]; appends this step's K, V."""
-        layer, heads = self.draft.midlayer, self.draft.midlayer.self_attn.num_heads
+        """One unrolled step: h [B, T, H] in -> pre-norm output [B, T, H]; appends this step's K, V
+        (kv: one list of steps per draft layer)."""
+        layer = self.draft.midlayer
         x = layer.attn_input(self.draft.embed_tokens(ids), h)
-        q, k, v = self.qkv(x, positions)
+        h = self.layer_step(layer, h, x, positions, kv[0], mask0)
+        for i, extra in enumerate(self.draft.extra_layers):          # num_layers > 1
+            h = self.layer_step(extra, h, extra.input_layernorm(h), positions, kv[i + 1], mask0)
+        return h
+
+    def layer_step(self, layer, h, x, positions, kv: list, mask0) -> torch.Tensor:
+        heads = layer.self_attn.num_heads
+        q, k, v = self.qkv(x, positions, layer.self_attn)
         kv.append((expand_kv(k, heads), expand_kv(v, heads)))
         (k0, v0), extra = kv[0], kv[1:]
         out = self.attend(q, k0, v0, [e[0] for e in extra], [e[1] for e in extra], mask0)
@@ -128,7 +136,7 @@ class TTTModel(nn.Module):
         bsz, seq = a.ids.shape
         causal = torch.ones(seq, seq, dtype=torch.bool, device=a.ids.device).tril()
         mask0 = (causal[None] & a.valid[:, None, :])[:, None]           # [B, 1, T, T]
-        h, kv, outs = self.draft.fuse(self.noisy(a.aux)), [], []
+        h, kv, outs = self.draft.fuse(self.noisy(a.aux)), [[] for _ in range(self.draft.config.num_layers)], []
         for k in range(self.cfg.num_steps):
             positions = (torch.arange(seq, device=a.ids.device) + k)[None].expand(bsz, seq)
             out = self.step(h, shift_left(a.ids, k), positions, kv, mask0)
