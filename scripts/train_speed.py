@@ -2,7 +2,8 @@
 
     python scripts/train_speed.py --data runs/study/regen_train.jsonl --features-dir runs/study/features
 Each variant is a fresh `python -m eagle3.train` run of --steps steps (same seed, so the same
-batches); tokens/s counts the steps after the first (warm-up). Run it on quiet cores.
+batches); tokens/s counts the steps after the first (warm-up; compilation happens there, and
+recompilation for a new shape would count). Run it on quiet cores.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 VARIANTS = {"store, bf16 autocast": {"features": "store", "autocast": "bf16"},
             "online, bf16 autocast": {"features": "online", "autocast": "bf16"},
-            "store, fp32": {"features": "store", "autocast": "none"}}
+            "store, fp32": {"features": "store", "autocast": "none"},
+            "store, bf16 autocast, torch.compile": {"features": "store", "autocast": "bf16", "compile": True}}
 
 
 def main(argv: list[str]) -> int:

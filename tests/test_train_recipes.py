@@ -1,6 +1,7 @@
 """The draft-quality study's switches (TrainConfig fields), each on a tiny model, and the feature
 store's contract: it refuses a store built for another target, other layers or other data."""
 import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -237,3 +238,17 @@ def test_training_from_the_store_equals_online_training(target, samples, tmp_pat
     for k in online:
         torch.testing.assert_close(stored[k], online[k], rtol=1e-3, atol=1e-5)
     assert (tmp_path / "st" / "features" / "samples" / "store.json").is_file()
+
+
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                    reason="torch.compile on CPU needs a C++ compiler")
+def test_compiled_training_step_matches_eager(target, samples, tmp_path):
+    """compile = true trains the same draft as eager up to the compiled kernels' rounding."""
+    from torch._dynamo.utils import counters
+    cfg = replace(BASE, max_steps=2, ttt_steps=1)            # a small graph: the test compiles once
+    eager = trained(train(target, samples, cfg, out=tmp_path / "e"))
+    counters.clear()
+    compiled = trained(train(target, samples, replace(cfg, compile=True), out=tmp_path / "c"))
+    assert counters["stats"]["unique_graphs"] > 0             # it really ran compiled
+    for k in eager:
+        torch.testing.assert_close(compiled[k], eager[k], rtol=1e-3, atol=1e-4)

@@ -54,6 +54,7 @@ class TrainConfig:
     features_dir: Optional[str] = None    # the store's root, shareable by runs; None = <out>/features
     eval_data: Optional[str] = None       # held-out conversations file (then eval_fraction is not used)
     autocast: str = "none"                # "bf16": matmuls in bfloat16 (fp32 master weights, fp32 loss)
+    compile: bool = False                 # torch.compile the TTT loss (dynamic shapes; minutes to compile)
     eval_fraction: float = 0.02
     eval_every: int = 200                 # steps
     checkpoint_every_s: float = 300.0

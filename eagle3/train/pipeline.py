@@ -221,6 +221,8 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
     if cfg.fc_precondition:
         model.fc_update_scale = fc_column_scale(first)
     wrapped = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False) if d.world > 1 else model
+    if cfg.compile:                               # the training steps only; evaluation stays eager
+        wrapped = torch.compile(wrapped, dynamic=True)
     ckpt_dir = out or cfg.out_dir
     run = Run(wrapped, make_optimizer(model, cfg), source, [len(s.ids) for s in samples],
               prep.train_idx, prep.eval_idx, ckpt_dir / "checkpoint.pt", ckpt_dir / "train_log.jsonl",

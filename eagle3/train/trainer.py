@@ -153,6 +153,12 @@ def make_optimizer(model: TTTModel, cfg: TrainConfig) -> torch.optim.Optimizer:
                        torch.optim.AdamW(rest, **adamw)])
 
 
+def unwrap(model: torch.nn.Module) -> TTTModel:
+    """The TTTModel inside torch.compile and/or DDP wrappers."""
+    model = getattr(model, "_orig_mod", model)
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+
+
 def rank_part(global_batch: list[int], d: Dist) -> list[int]:
     return global_batch[d.rank::d.world]
 
@@ -166,7 +172,7 @@ def train_step(model, opt, source: FeatureSource, global_batch: list[int], width
         stats = model(source.batch(part, width), denom)
     opt.zero_grad(set_to_none=True)
     (stats.loss * d.world).backward()            # DDP averages gradients over ranks
-    inner = model.module if hasattr(model, "module") else model
+    inner = unwrap(model)
     torch.nn.utils.clip_grad_norm_([p for p in inner.draft.parameters() if p.requires_grad], cfg.grad_clip)
     for g in opt.param_groups:
         g["lr"] = lr
@@ -248,7 +254,7 @@ def total_steps(run: Run, cfg: TrainConfig) -> int:
 def train_loop(run: Run, cfg: TrainConfig, state: TrainState, d: Dist,
                progress: Optional[Callable] = None) -> TrainState:
     """Train from `state` to the end (or cfg.max_steps); checkpoints and logs on rank 0."""
-    inner = run.model.module if hasattr(run.model, "module") else run.model
+    inner = unwrap(run.model)
     total = total_steps(run, cfg)
     stop = min(total, cfg.max_steps or total)
     bar = progress(total=stop, initial=state.step) if progress and d.main else None
