@@ -41,7 +41,7 @@ def measure(engine, prompts: list[str], temperature: float, max_new: int, depth:
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--draft", required=True)
+    ap.add_argument("--draft", required=True, help="a draft directory, or a run's checkpoint.pt")
     ap.add_argument("--n", type=int, default=80)
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--temperatures", default="0,1")
@@ -51,7 +51,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = load_engine(None, args.draft, parse_shape(args.tree) if args.tree else None, device="cpu")
+    spec = parse_shape(args.tree) if args.tree else None
+    if args.draft.endswith(".pt"):        # a run's checkpoint (a study variant no export writes)
+        from eagle3.api import build_layouts, load_target
+        from eagle3.generate import Engine
+        from eagle3.runtime.loader import resolve_model
+        from eagle3.train.pipeline import draft_from_checkpoint
+        target, tokenizer = load_target(None, torch.device("cpu"), torch.float32)
+        drafter = draft_from_checkpoint(Path(args.draft), target)
+        target, drafter = build_layouts(target, drafter, "auto", "auto", resolve_model(None))
+        engine = Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=2048)
+    else:
+        engine = load_engine(None, args.draft, spec, device="cpu")
     depth = engine.spec.depth if getattr(engine, "spec", None) else 8
     res = [measure(engine, first_turns(args.n), float(t), args.max_new_tokens, depth)
            for t in args.temperatures.split(",")]

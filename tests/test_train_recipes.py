@@ -252,3 +252,13 @@ def test_compiled_training_step_matches_eager(target, samples, tmp_path):
     assert counters["stats"]["unique_graphs"] > 0             # it really ran compiled
     for k in eager:
         torch.testing.assert_close(compiled[k], eager[k], rtol=1e-3, atol=1e-4)
+
+
+def test_a_study_variant_is_read_back_from_its_checkpoint(target, samples, tmp_path):
+    from eagle3.train.pipeline import draft_from_checkpoint
+    cfg = replace(BASE, norm_before_fc=True, draft_layers=2, max_steps=1, checkpoint_every_s=0.0)
+    draft = train(target, samples, cfg, out=tmp_path)
+    back = draft_from_checkpoint(tmp_path / "checkpoint.pt", target)
+    assert back.config == draft.config
+    for k, v in draft.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k

@@ -247,6 +247,18 @@ def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist =
     return model.draft
 
 
+def draft_from_checkpoint(path: Path, target: LlamaModel) -> Eagle3Draft:
+    """The draft of a run's checkpoint.pt as a module (a study variant that no export layout
+    writes is measured this way): its config's switches, vocabulary and weights."""
+    ck = load_checkpoint(path)
+    cfg = TrainConfig.from_dict(json.loads(ck["config"]))
+    d2t = ck["draft"]["d2t"].long()
+    vocab = DraftVocab(d2t + torch.arange(d2t.numel()), d2t, ck["draft"]["t2d"].bool())
+    draft = make_draft(target, replace(cfg, init_layer_from=None), vocab)
+    draft.load_state_dict({**ck["draft"], "embed_tokens.weight": draft.embed_tokens.weight})
+    return draft.eval().requires_grad_(False)
+
+
 def warm_start(model: TTTModel, warm: WarmSource) -> None:
     """Draft weights (not optimizer, not schedule) from a warm-start source; its vocabulary and the
     layers its fc reads must be this run's (shapes are checked by load_state_dict)."""
