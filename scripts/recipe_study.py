@@ -40,6 +40,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "i_vocab8k": ("draft vocabulary 8192", {"draft_vocab_size": 8192}),
     "i_vocab16k": ("draft vocabulary 16384", {"draft_vocab_size": 16384}),
     "j_two_layers": ("two decoder layers (midlayer + a Llama layer)", {"draft_layers": 2}),
+    "k_ttt3_lr1e-3": ("TTT 3 equal weights + peak lr 1e-3 (the two best single changes)",
+                      {"ttt_steps": 3, "step_decay": 1.0, "lr": 1e-3}),
 }
 
 
@@ -93,6 +95,16 @@ def report(out: Path, budget: int, path: Path) -> str:
         lines.append(f"| {r['row']}{'' if r['done'] else ' (running)'} | {r['what']} | {r['steps']} | "
                      f"{r['tokens']:,} | {r['tokens_per_s']} | {acc[0]:.4f} | {acc[1]:.4f} | {acc[2]:.4f} | "
                      f"{r['est_tau']:.3f} | {delta} |")
+    taus = [(r["row"], json.loads((out / r["row"] / "tau.json").read_text())) for r in rows
+            if (out / r["row"] / "tau.json").is_file()]
+    if taus:
+        lines += ["", "MT-bench tau (scripts/measure_tau.py on the row's exported draft; its command in "
+                  "each tau.json):", "", "| row | prompts x tokens | tree | T=0 | T=1 |", "|---|---|---|---|---|"]
+        for name, t in taus:
+            by = {x["temperature"]: x for x in t["results"]}
+            n = t["results"][0]["prompts"]
+            lines.append(f"| {name} | {n} x {t['max_new_tokens']} | {t['spec']} | "
+                         f"{by.get(0.0, {}).get('tau', '-')} | {by.get(1.0, {}).get('tau', '-')} |")
     lines += ["", "Curves (step, held-out step-0 acc, est. tau):", ""]
     lines += [f"- {r['row']}: " + ", ".join(f"({s}, {a:.3f}, {t:.3f})" for s, a, t in r["curve"]) for r in rows]
     text = "\n".join(lines) + "\n"
