@@ -80,3 +80,27 @@ def test_data_files_are_read_in_order(tmp_path):
     assert cfg.data_paths == [tmp_path / "c0.jsonl", tmp_path / "c1.jsonl"]
     assert [int(s.ids[-1]) for s in load_samples(cfg)] == [0, 1, 2, 10, 11, 12]
     assert TrainConfig(data=files[0]).data_paths == [tmp_path / "c0.jsonl"]
+
+
+def test_a_resumed_run_keeps_its_files_counts_and_refuses_other_files(tmp_path):
+    import torch
+    from eagle3.errors import ContractError
+    from eagle3.train.real import load_data
+    from eagle3.train.store import part_name
+    files = []
+    for k in range(2):
+        f = tmp_path / f"c{k}.jsonl"
+        f.write_text("".join(json.dumps({"id": f"{k}{i}", "prompt_ids": [1, 2], "response_ids": [10 * k + i]}) + "\n"
+                             for i in range(3)))
+        files.append(str(f))
+    cfg = TrainConfig.from_dict({"data": files[:1], "eval_data": files[1], "out": str(tmp_path / "run")})
+    (tmp_path / "run").mkdir()
+    torch.save({"num_samples": 5, "parts": [[part_name(tmp_path / "c0.jsonl"), 2, False],
+                                            [part_name(tmp_path / "c1.jsonl"), 3, True]]},
+               tmp_path / "run" / "checkpoint.pt")
+    samples, parts = load_data(cfg)                       # the file grew since: the run keeps 2
+    assert [int(s.ids[-1]) for s in samples] == [0, 1, 10, 11, 12]
+    assert [(p.count, p.held_out) for p in parts] == [(2, False), (3, True)]
+    swapped = TrainConfig.from_dict({"data": files[1:], "eval_data": files[0], "out": str(tmp_path / "run")})
+    with pytest.raises(ContractError, match="data / eval_data"):
+        load_data(swapped)

@@ -1,6 +1,7 @@
 """The draft-quality study's switches (TrainConfig fields), each on a tiny model, and the feature
 store's contract: it refuses a store built for another target, other layers or other data."""
 import json
+import re
 import shutil
 from dataclasses import replace
 
@@ -168,6 +169,17 @@ def test_muon_on_fc_and_midlayer_matrices_and_resume(target, samples, tmp_path):
     assert id(model.draft.lm_head.weight) not in muon_ids and id(model.draft.norm.weight) not in muon_ids
     with pytest.raises(InputError, match="fc_precondition"):
         make_optimizer(model, replace(cfg, fc_precondition=True))
+
+
+@pytest.mark.parametrize("item,words", [("schedule=step", "schedule='step'"), ("optimizer=sgd", "choose one of adamw, muon"),
+                                        ("features=cache", "choose one of store, online"),
+                                        ("feature_noise=-0.1", ">= 0"), ("draft_layers=0", ">= 1"),
+                                        ("max_tokens=0", "budget > 0")])
+def test_a_bad_switch_is_refused_when_the_config_is_made(item, words):
+    from eagle3.train.config import parse_override
+    key, value = parse_override(item)
+    with pytest.raises(InputError, match=re.escape(words)):
+        replace(BASE, **{key: value})
 
 
 def test_schedules():

@@ -12,6 +12,10 @@ from typing import Any, Optional, Union
 from ..errors import InputError
 
 
+CHOICES = {"features": ("store", "online"), "optimizer": ("adamw", "muon"),
+           "schedule": ("cosine", "linear", "constant")}
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     target: Optional[str] = None          # None = packaged SmolLM2
@@ -63,6 +67,22 @@ class TrainConfig:
     max_steps: Optional[int] = None       # stop early (the schedule still spans all epochs)
     max_tokens: Optional[int] = None      # token budget: stop at it, the schedule spans it (a study's unit)
     threads: Optional[int] = None
+
+    def __post_init__(self):
+        """Every choice and range is checked when the config is made (a file, --set, replace), not
+        when a run first reaches it: a typo must not surface after the feature store was built."""
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise InputError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        if self.feature_noise < 0:
+            raise InputError(f"feature_noise={self.feature_noise}: a standard deviation, >= 0")
+        if self.draft_layers < 1:
+            raise InputError(f"draft_layers={self.draft_layers}: the midlayer counts, so >= 1")
+        if self.max_tokens is not None and self.max_tokens <= 0:
+            raise InputError(f"max_tokens={self.max_tokens}: a token budget > 0, or null for all epochs")
+        if self.optimizer == "muon" and self.fc_precondition:
+            raise InputError("fc_precondition rescales AdamW's per-element steps on fc; with "
+                             "optimizer=muon set fc_precondition=false")
 
     @property
     def out_dir(self) -> Path:

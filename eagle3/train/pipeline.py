@@ -190,8 +190,6 @@ def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], c
                    d: Dist, out: Path, parts: Optional[Sequence[DataPart]] = None) -> FeatureSource:
     if cfg.features == "online":
         return FeatureSource(prep.samples, aux_ids, target=target)
-    if cfg.features != "store":
-        raise InputError(f"features={cfg.features!r}: choose 'store' (offline feature store) or 'online'")
     root = Path(cfg.features_dir) if cfg.features_dir else out / "features"
     key = PartKey(target_fingerprint(target), tuple(aux_ids), STORE_DTYPE)
     opened, start = [], 0

@@ -11,7 +11,7 @@ from tqdm import tqdm
 from ..runtime.assets import mtbench_questions, sharegpt_json
 from ..runtime.loader import load_model, load_tokenizer, resolve_model
 from ..draft.formats import save_draft
-from ..errors import UnsupportedError
+from ..errors import ContractError, UnsupportedError
 from .config import TrainConfig
 from .data import PromptFilter, select_prompts
 from .features import load_conversations
@@ -42,8 +42,15 @@ def load_data(cfg: TrainConfig) -> tuple[list, list[DataPart]]:
     counts = None
     if ckpt.is_file():
         ck = load_checkpoint(ckpt)
-        counts = [n for _, n, _ in ck.get("parts") or []] or None
         total = ck["num_samples"]
+        if ck.get("parts"):
+            started = [[name, held_out] for name, _, held_out in ck["parts"]]
+            now = [[part_name(path), held_out] for path, held_out in files]
+            if started != now:
+                raise ContractError("data / eval_data", f"{started} in {ckpt}", now,
+                                    "resume with the data files the run started with, in that order, "
+                                    "or start the run in a new out directory")
+            counts = [n for _, n, _ in ck["parts"]]
     samples, parts = [], []
     for k, (path, held_out) in enumerate(files):
         part = load_conversations(path, cfg.max_len)
