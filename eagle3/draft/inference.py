@@ -42,6 +42,7 @@ class InferenceDraft:
         else:
             layer = draft.layers[0]
             self.layer = FastLayer(layer.self_attn, layer.mlp, None, layer.post_attention_layernorm, backend)
+            self.extra = []
 
     @property
     def device(self) -> torch.device:
@@ -49,8 +50,7 @@ class InferenceDraft:
 
     @property
     def linears(self) -> list[PackedLinear]:
-        return [self.fc, *self.layer.linears, *(l for x in getattr(self, "extra", []) for l in x.linears),
-                self.lm_head]
+        return [self.fc, *self.layer.linears, *(l for x in self.extra for l in x.linears), self.lm_head]
 
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         cfg = self.config

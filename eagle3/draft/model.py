@@ -20,7 +20,7 @@ from torch import nn
 from ..errors import ContractError
 from ..models.config import ModelConfig, RopeConfig
 from ..models.layers import MLP, Attention, RMSNorm, Rotary, causal_block_mask
-from ..models.llama import as_block, rows_of
+from ..models.llama import DecoderLayer, as_block, rows_of
 from ..models.kv_cache import KVCache
 
 ALGORITHMS = ("eagle3", "eagle")
@@ -109,20 +109,17 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3ExtraLayer(nn.Module):
-    """A layer after the midlayer (num_layers > 1): a plain pre-norm Llama layer over the hidden."""
+class Eagle3ExtraLayer(DecoderLayer):
+    """A layer after the midlayer (num_layers > 1): the target's pre-norm Llama layer (its
+    forward), without biases or q/k norms."""
 
     def __init__(self, cfg: DraftConfig):
-        super().__init__()
+        nn.Module.__init__(self)
         h = cfg.hidden_size
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.self_attn = Attention(h, h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.mlp = MLP(h, cfg.intermediate_size)
-
-    def forward(self, h, cos, sin, k_buf, v_buf, start, mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, k_buf, v_buf, start, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def block_mask(cache: KVCache, seq: int, attn_mask: Optional[torch.Tensor],

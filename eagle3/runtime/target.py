@@ -123,7 +123,6 @@ class InferenceTarget:
         last = h[0, rows.last.to(self.device)]
         return self.lm_head(self.backend.rms_norm(last, *self.norm))
 
-
     def _one_block(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block,
                    cache: SlotCache) -> torch.Tensor:
         """A forward of one sequence's block through the layers as __call__ runs them, on its

@@ -250,8 +250,7 @@ def draft_from_checkpoint(path: Path, target: LlamaModel) -> Eagle3Draft:
     writes is measured this way): its config's switches, vocabulary and weights."""
     ck = load_checkpoint(path)
     cfg = TrainConfig.from_dict(json.loads(ck["config"]))
-    d2t = ck["draft"]["d2t"].long()
-    vocab = DraftVocab(d2t + torch.arange(d2t.numel()), d2t, ck["draft"]["t2d"].bool())
+    vocab = WarmSource(path, ck["draft"], ()).vocab(target.config.vocab_size)   # its d2t/t2d, checked
     draft = make_draft(target, replace(cfg, init_layer_from=None), vocab)
     draft.load_state_dict({**ck["draft"], "embed_tokens.weight": draft.embed_tokens.weight})
     return draft.eval().requires_grad_(False)

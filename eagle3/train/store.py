@@ -33,7 +33,6 @@ from .features import Features, Sample, target_features
 
 FORMAT = "eagle3-feature-store/1"
 TEACHER = "final normed hidden state (teacher = lm_head(hidden) over any draft vocabulary) + full-vocab argmax"
-BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
 # ---------------------------------------------------------------------------- identities

@@ -87,9 +87,8 @@ class TTTModel(nn.Module):
         self.register_buffer("teacher_head", teacher_head[used].detach().clone(), persistent=False)
 
     # ------------------------------------------------------------------ attention of one step
-    def qkv(self, x: torch.Tensor, positions: torch.Tensor, attn=None):
+    def qkv(self, x: torch.Tensor, positions: torch.Tensor, attn):
         # x [B, T, 2H] (midlayer) or [B, T, H] -> q [B, heads, T, D], k/v [B, kv_heads, T, D] (q, k after RoPE)
-        attn = attn or self.draft.midlayer.self_attn
         bsz, seq, _ = x.shape
         q = attn.q_proj(x).view(bsz, seq, attn.num_heads, attn.head_dim).transpose(1, 2)
         k = attn.k_proj(x).view(bsz, seq, attn.num_kv_heads, attn.head_dim).transpose(1, 2)
