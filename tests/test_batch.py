@@ -371,7 +371,8 @@ def test_served_batch_gauges_queue_full_and_cancel(served_target):
             lines = resp.iter_lines()
             assert next(ln for ln in lines if ln.startswith("data:"))
             streams.append((http, resp, lines))
-        assert gauges(s.url)["eagle3:num_requests_running"] == 2
+        # a stream's first chunk can precede its admission to a slot: wait for the gauge
+        assert wait_for(lambda: gauges(s.url)["eagle3:num_requests_running"] == 2, 10.0)
         queued = {}
         t = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
             s.url + "/v1/chat/completions", json={**body, "max_tokens": 4}, timeout=60)))
