@@ -1,4 +1,5 @@
 """OpenMP wait policy and thread count (issue #15, item 10): set before torch loads, shown in info."""
+import json
 import os
 import subprocess
 import sys
@@ -131,3 +132,56 @@ def test_a_mix_of_step_costs_on_a_quiet_machine_keeps_two_threads(monkeypatch):
         assert counts.count(1) <= 8 and counts[-100:].count(2) >= 99
     finally:
         torch.set_num_threads(before)
+
+
+HAND_OVER = """
+import json, os, threading
+import eagle3, torch
+from eagle3 import threads
+torch.set_num_threads(2)
+count = lambda: len(os.listdir('/proc/self/task'))
+work = lambda: torch.ones(1 << 22).add_(1)          # one parallel region (above the grain)
+work(); loaded = count()                             # the main thread now has a team: +1 worker
+handed = threads.hand_over_cores(); after = count()
+work(); again = count()                              # main alone: no new worker
+seen = {}
+def engine():
+    work(); seen.update(threads=torch.get_num_threads(), count=count())
+t = threading.Thread(target=engine); t.start(); t.join()
+print(json.dumps(dict(handed=handed, loaded=loaded, after=after, again=again, main=torch.get_num_threads(), **seen)))
+"""
+
+
+def test_hand_over_leaves_one_thread_with_an_openmp_team():
+    """libgomp spins at a barrier only while it manages no more threads than CPUs; a second
+    thread's team made every decode step's ~200 barriers futex sleeps (14.6 vs 6.3 ms a token,
+    threads.py). After hand_over_cores the main thread's worker is gone and it never starts another,
+    while a thread started later still runs torch.get_num_threads() threads."""
+    out = subprocess.run([sys.executable, "-c", HAND_OVER], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    if not r["handed"]:
+        pytest.skip("torch's OpenMP runtime is not libgomp: nothing to hand over")
+    assert r["after"] == r["loaded"] - 1, r          # the main thread's worker exited
+    assert r["again"] == r["after"] and r["main"] == 1, r
+    assert r["threads"] == 2 and r["count"] == r["after"] + 2, r     # the engine thread + its worker
+
+
+def test_the_servers_workers_hand_over_the_cores(monkeypatch):
+    """Both engine workers hand the cores over as they start (before their thread runs a step)."""
+    import asyncio
+    from eagle3.serve import queue
+    calls = []
+    monkeypatch.setattr(queue, "hand_over_cores", lambda: calls.append(1) or True)
+
+    class Engine:
+        target = tokenizer = None
+
+    worker = queue.EngineWorker(Engine(), max_queue=1)
+
+    async def cycle():
+        await worker.start()
+        await worker.stop()
+    asyncio.run(cycle())
+    assert calls == [1]

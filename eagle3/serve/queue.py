@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 
 from ..errors import InputError
 from ..generate import Chunk, SamplingParams, Step
+from ..threads import hand_over_cores
 
 log = logging.getLogger("eagle3.serve")
 
@@ -69,6 +70,7 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        hand_over_cores()          # the engine thread must be the one thread with an OpenMP team
         self.queue = asyncio.Queue(maxsize=self.max_queue)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="eagle3-engine")
         self._task = asyncio.create_task(self._consume(), name="eagle3-engine-queue")
@@ -178,6 +180,7 @@ class BatchWorker:
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
+        hand_over_cores()          # the engine thread must be the one thread with an OpenMP team
         self._thread = threading.Thread(target=self._serve, name="eagle3-engine", daemon=True)
         self._thread.start()
 
