@@ -1,18 +1,31 @@
-"""Serving throughput and latency of `eagle3 serve` under concurrent streaming clients (issue #18).
+"""Serving throughput and latency of `eagle3 serve` (and vLLM's OpenAI server) under concurrent
+streaming clients (issues #18, #21).
 
     python scripts/bench_serving.py [--model M] [--weights bf16|fp32|gguf|auto] [--max-batch 1,8]
-        [--clients 1,4,16] [--tokens 128] [--temperatures 0,1] [--prompts 32] [--out DIR]
-        [--url http://host:port]
+        [--systems ours,ours-eagle3,vllm,vllm-eagle3] [--clients 1,4,16] [--tokens 128]
+        [--temperatures 0,1] [--prompts 32] [--out DIR] [--url http://host:port]
+        [--vllm-python PY] [--vllm-eager] [--chain-depth 3]
 
-For each --max-batch value it starts `eagle3 serve --draft none --max-batch B` as a child process
-(or benches the server at --url, once), warms it up, then for each client count N and temperature
+Systems, each a server in a child process: `ours` = `eagle3 serve --draft none --max-batch B` for
+each --max-batch value (continuous batching of plain decoding); `ours-eagle3` = `eagle3 serve` with
+the default draft and the largest --max-batch (a greedy request alone decodes speculatively, a batch
+plainly); `vllm` = vLLM's OpenAI server (`vllm
+serve`, from the vLLM venv of scripts/vllm_env.sh) on the same weights, --max-num-seqs = the
+largest --max-batch, bf16 unless --weights fp32 (it has no kernels for GGUF codes), compiled unless
+--vllm-eager; `vllm-eagle3` = the same with our draft exported in the speculators layout, a chain
+of --chain-depth tokens. vLLM's threads are pinned to this process's cores, its caches and sockets
+kept under --out/vllm-serve (eagle3.bench.vllm_peer). A missing vLLM venv skips its systems with
+the install line. Or --url benches one running server, once.
+
+Each server is warmed up, then for each client count N and temperature
 sends the first --prompts MT-bench questions (eagle3.bench.workload, round-robin over categories)
 over the OpenAI chat API, streamed, at most N in flight (each client takes the next prompt when its
 last one ends), --tokens new tokens each (ignore_eos, so every request is the same length; T > 0
 seeded per prompt). Prints one table per run: aggregate tokens/s (all completion tokens / wall
 time), TTFT and inter-token latency p50/p99 (gaps between streamed content chunks), end-to-end p50,
-and tokens/s against --max-batch 1 for the same clients and temperature where it ran; saves
-serving.json and serving.png under --out. Run it on a quiet machine: the clients share the cores.
+tokens/s against the same server with one client ("x 1 client") and against `ours --max-batch 1`
+at the same clients and temperature ("x ours b1") where they ran; saves serving.json and
+serving.png under --out. Run it on a quiet machine: the clients share the cores.
 """
 from __future__ import annotations
 
@@ -45,6 +58,9 @@ class RequestTiming:
     e2e_s: float
 
 
+SYSTEMS = ("ours", "ours-eagle3", "vllm", "vllm-eagle3")
+
+
 @dataclass(frozen=True)
 class Result:
     max_batch: Optional[int]     # None: an external server (--url)
@@ -59,7 +75,9 @@ class Result:
     itl_p50_ms: float
     itl_p99_ms: float
     e2e_p50_s: float
-    vs_batch1: Optional[float] = None
+    vs_batch1: Optional[float] = None        # over ours --max-batch 1, same clients and temperature
+    system: str = "ours"                     # SYSTEMS, or "url"
+    vs_one_client: Optional[float] = None    # over the same server with one client, same temperature
 
 
 # ---------------------------------------------------------------------------- one request
@@ -119,31 +137,40 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def summarize(timings: list[RequestTiming], wall: float, max_batch: Optional[int], clients: int,
-              temperature: float) -> Result:
+              temperature: float, system: str = "ours") -> Result:
     tokens = sum(t.tokens for t in timings)
     ttft = [t.ttft_s * 1000 for t in timings]
     gaps = [g * 1000 for t in timings for g in t.gaps_s]
     return Result(max_batch, clients, temperature, len(timings), tokens, round(wall, 3),
                   round(tokens / wall, 2), round(percentile(ttft, 50), 1), round(percentile(ttft, 99), 1),
                   round(percentile(gaps, 50), 1), round(percentile(gaps, 99), 1),
-                  round(statistics.median(t.e2e_s for t in timings), 3))
+                  round(statistics.median(t.e2e_s for t in timings), 3), system=system)
 
 
 def with_baseline(results: list[Result]) -> list[Result]:
-    """tokens/s over --max-batch 1's for the same clients and temperature, where it ran."""
-    base = {(r.clients, r.temperature): r.tokens_per_s for r in results if r.max_batch == 1}
-    return [Result(**{**asdict(r), "vs_batch1": round(r.tokens_per_s / base[(r.clients, r.temperature)], 2)})
-            if (r.clients, r.temperature) in base else r for r in results]
+    """tokens/s over ours --max-batch 1 at the same clients and temperature, and over the same
+    server (system and max_batch) with one client at the same temperature, where they ran."""
+    base = {(r.clients, r.temperature): r.tokens_per_s for r in results
+            if r.system == "ours" and r.max_batch == 1}
+    one = {(r.system, r.max_batch, r.temperature): r.tokens_per_s for r in results if r.clients == 1}
+    out = []
+    for r in results:
+        b, o = base.get((r.clients, r.temperature)), one.get((r.system, r.max_batch, r.temperature))
+        out.append(Result(**{**asdict(r), "vs_batch1": round(r.tokens_per_s / b, 2) if b else None,
+                             "vs_one_client": round(r.tokens_per_s / o, 2) if o else None}))
+    return out
 
 
 def table(results: list[Result]) -> str:
-    head = (f"{'batch':>5} {'clients':>7} {'T':>3} {'reqs':>4} {'tok/s':>8} {'vs b1':>6} "
+    head = (f"{'system':>11} {'batch':>5} {'clients':>7} {'T':>3} {'reqs':>4} {'tok/s':>8} "
+            f"{'x 1 client':>10} {'x ours b1':>9} "
             f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'e2e p50':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         vs = f"{r.vs_batch1:.2f}x" if r.vs_batch1 is not None else "-"
-        lines.append(f"{r.max_batch if r.max_batch is not None else 'url':>5} {r.clients:>7} "
-                     f"{r.temperature:>3g} {r.requests:>4} {r.tokens_per_s:>8.1f} {vs:>6} "
+        one = f"{r.vs_one_client:.2f}x" if r.vs_one_client is not None else "-"
+        lines.append(f"{r.system:>11} {r.max_batch if r.max_batch is not None else 'url':>5} {r.clients:>7} "
+                     f"{r.temperature:>3g} {r.requests:>4} {r.tokens_per_s:>8.1f} {one:>10} {vs:>9} "
                      f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>5.0f}ms {r.itl_p50_ms:>6.1f}ms "
                      f"{r.itl_p99_ms:>5.1f}ms {r.e2e_p50_s:>7.2f}s")
     return "\n".join(lines)
@@ -155,11 +182,11 @@ def save_plot(results: list[Result], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    series = sorted({(r.max_batch or 0, r.temperature) for r in results})
-    for batch, temp in series:
-        rs = sorted((r for r in results if (r.max_batch or 0) == batch and r.temperature == temp),
+    series = sorted({(r.system, r.max_batch or 0, r.temperature) for r in results})
+    for system, batch, temp in series:
+        rs = sorted((r for r in results if (r.system, r.max_batch or 0, r.temperature) == (system, batch, temp)),
                     key=lambda r: r.clients)
-        label = f"{'max-batch ' + str(batch) if batch else 'url'} T={temp:g}"
+        label = f"{system} {'max-batch ' + str(batch) if batch else ''} T={temp:g}"
         x = [r.clients for r in rs]
         for ax, ys in zip(axes, ([r.tokens_per_s for r in rs], [r.ttft_p50_ms for r in rs],
                                  [r.itl_p50_ms for r in rs])):
@@ -181,30 +208,81 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args, max_batch: int) -> tuple[subprocess.Popen, str]:
-    """`eagle3 serve` from this checkout as a child process; (process, url) once /health answers."""
-    port = free_port()
+def ours_command(args, port: int, max_batch: int, speculative: bool) -> list[str]:
+    """`eagle3 serve` from this checkout, batching up to max_batch: plain decoding, or with the
+    default draft (speculative for a greedy request that runs alone)."""
     cmd = [sys.executable, "-c", "import sys; from eagle3.cli import main; sys.exit(main())", "serve",
-           "--draft", "none", "--max-batch", str(max_batch), "--port", str(port),
-           "--weights", args.weights, "--max-model-len", str(args.max_model_len),
+           "--draft", "default" if speculative else "none", "--max-batch", str(max_batch),
+           "--port", str(port), "--weights", args.weights, "--max-model-len", str(args.max_model_len),
            "--served-model-name", MODEL_NAME, "--max-queue", str(max(64, args.prompts)),
            "--log-level", "warning"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, cwd=ROOT)
+    return cmd + (["--model", args.model] if args.model else [])
+
+
+def vllm_settings(args):
+    from eagle3.bench.vllm_peer import DTYPES, VllmSettings, default_python
+    python = Path(args.vllm_python) if args.vllm_python else default_python()
+    return VllmSettings(python, (args.out / "vllm-serve").resolve(), args.threads, DTYPES[args.weights],
+                        args.vllm_eager, args.max_model_len, args.chain_depth)
+
+
+def vllm_missing(args) -> Optional[str]:
+    """Why the vLLM systems cannot run here (with the install line), or None."""
+    from eagle3.bench.vllm_peer import INSTALL, PYTHON_ENV
+    s = vllm_settings(args)
+    if not s.python.is_file() or not (s.python.parent / "vllm").is_file():
+        return (f"no vLLM venv at {s.python} (install: {INSTALL}; elsewhere pass --vllm-python or set "
+                f"{PYTHON_ENV})")
+    return None
+
+
+def vllm_command(args, port: int, max_batch: int, speculative: bool) -> tuple[list[str], dict, Path]:
+    """(command, environment, log file) of vLLM's OpenAI server on our weights (and draft)."""
+    from eagle3.bench.vllm_peer import (child_env, export_for_vllm, model_dir_for_vllm,
+                                        server_command)
+    from eagle3.runtime.loader import resolve_model
+    s = vllm_settings(args)
+    name = "vllm-eagle3" if speculative else "vllm"
+    s.work_dir.mkdir(parents=True, exist_ok=True)
+    src = resolve_model(args.model)
+    draft_dir = None
+    if speculative:
+        from eagle3.api import load_engine
+        engine = load_engine(args.model, draft="default", weights="fp32")
+        draft_dir = export_for_vllm(engine.draft, engine.target.config, src.hf_dir, s.work_dir,
+                                    args.chain_depth)
+    model_dir = model_dir_for_vllm(src.hf_dir, s.work_dir)
+    cmd = server_command(s, model_dir, draft_dir, port, max_batch, MODEL_NAME)
+    return cmd, child_env(s, name), s.work_dir / name / "server.log"
+
+
+def start_server(args, system: str, max_batch: int) -> tuple[subprocess.Popen, str]:
+    """The system's server as a child process; (process, url) once /health answers."""
+    port = free_port()
+    if system.startswith("vllm"):
+        cmd, env, log_path = vllm_command(args, port, max_batch, system == "vllm-eagle3")
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, cwd=log_path.parent, env=env, stdout=log, stderr=subprocess.STDOUT)
+        where = f" (log {log_path})"
+    else:
+        proc = subprocess.Popen(ours_command(args, port, max_batch, system == "ours-eagle3"), cwd=ROOT)
+        where = ""
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + args.start_timeout
+    t0 = time.monotonic()
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"eagle3 serve exited with status {proc.returncode}")
+            raise SystemExit(f"{system} server exited with status {proc.returncode}{where}")
         try:
             if httpx.get(url + "/health", timeout=2).status_code == 200:
+                print(f"{system} (max batch {max_batch}) up in {time.monotonic() - t0:.0f} s", flush=True)
                 return proc, url
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    proc.terminate()
-    raise SystemExit(f"eagle3 serve did not answer /health within {args.start_timeout} s")
+    stop_server(proc)
+    raise SystemExit(f"{system} server did not answer /health within {args.start_timeout} s{where}")
 
 
 def stop_server(proc: subprocess.Popen) -> None:
@@ -215,13 +293,16 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def bench_server(args, url: str, max_batch: Optional[int], prompts: list[str]) -> list[Result]:
-    asyncio.run(run_clients(url, prompts[:1], 1, min(16, args.tokens), 0.0))       # warm-up
+def bench_server(args, url: str, max_batch: Optional[int], prompts: list[str],
+                 system: str = "url") -> list[Result]:
+    # warm-up: a compiled server (vLLM) compiles its batch sizes on first use
+    asyncio.run(run_clients(url, prompts[:1], 1, min(16, args.tokens), 0.0))
+    asyncio.run(run_clients(url, prompts[:max(args.clients)], max(args.clients), 8, 0.0))
     results = []
     for temp in args.temperatures:
         for clients in args.clients:
             timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
-            results.append(summarize(timings, wall, max_batch, clients, temp))
+            results.append(summarize(timings, wall, max_batch, clients, temp, system))
             print(table(results[-1:]).splitlines()[-1], flush=True)
     return results
 
@@ -236,8 +317,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="target (default: the packaged SmolLM2-135M)")
     p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"], default="bf16",
                    help="the server's --weights (default bf16)")
+    p.add_argument("--systems", type=lambda t: [x for x in t.split(",") if x], default=["ours"],
+                   help=f"comma-separated, of {', '.join(SYSTEMS)} (default ours)")
     p.add_argument("--max-batch", type=int_list, default=[1, 8],
-                   help="server --max-batch values, one server each (default 1,8: 1 is the baseline)")
+                   help="our server's --max-batch values, one server each (default 1,8: 1 is the "
+                        "baseline); vLLM batches up to the largest (--max-num-seqs)")
     p.add_argument("--clients", type=int_list, default=[1, 4, 16])
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
@@ -245,22 +329,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--url", default=None, help="bench this running server instead (model name "
                                                f"'{MODEL_NAME}' or any it accepts)")
-    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--start-timeout", type=float, default=600.0)
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                   help="vLLM's pinned cores (default: all this process may use; ours uses them all)")
+    p.add_argument("--chain-depth", type=int, default=3, help="vllm-eagle3's draft chain (default 3)")
+    p.add_argument("--vllm-python", default=None,
+                   help="python of the vLLM venv (default: $EAGLE3_VLLM_PYTHON, else .venv-vllm)")
+    p.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "serving")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    unknown = [x for x in args.systems if x not in SYSTEMS]
+    if unknown:
+        raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     from eagle3.bench.workload import workload_questions
     prompts = [q.text for q in workload_questions("mtbench", args.prompts)]
     results: list[Result] = []
+    skipped: dict[str, str] = {}
     if args.url:
         results = bench_server(args, args.url.rstrip("/"), None, prompts)
-    for batch in ([] if args.url else args.max_batch):
-        proc, url = start_server(args, batch)
+    runs = [] if args.url else (
+        [("ours", b) for b in args.max_batch if "ours" in args.systems]
+        + [("ours-eagle3", max(args.max_batch))] * ("ours-eagle3" in args.systems)
+        + [(x, max(args.max_batch)) for x in ("vllm", "vllm-eagle3") if x in args.systems])
+    for system, batch in runs:
+        if system.startswith("vllm") and vllm_missing(args):
+            skipped[system] = vllm_missing(args)
+            print(f"{system}: skipped: {skipped[system]}", flush=True)
+            continue
+        proc, url = start_server(args, system, batch)
         try:
-            results += bench_server(args, url, batch, prompts)
+            results += bench_server(args, url, batch, prompts, system)
         finally:
             stop_server(proc)
     results = with_baseline(results)
@@ -269,7 +371,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     (args.out / "serving.json").write_text(json.dumps(
-        {"meta": meta, "results": [asdict(r) for r in results]}, indent=1) + "\n")
+        {"meta": meta, "skipped": skipped, "results": [asdict(r) for r in results]}, indent=1) + "\n")
     plot = save_plot(results, args.out / "serving.png")
     print(f"saved {args.out / 'serving.json'} and {plot}")
     return 0

@@ -397,19 +397,117 @@ def test_served_batch_gauges_queue_full_and_cancel(served_target):
 
 
 def test_batching_is_refused_where_it_does_not_apply(served_target):
-    """A speculative engine, or a target without a batched forward, serves one sequence at a time
-    and its startup line says why."""
+    """A target without a batched forward serves one sequence at a time and its startup line says
+    why; a speculative engine batches, speculating for a greedy request that runs alone."""
     from eagle3.serve.app import batch_mode
     from serve_fixtures import GroupedEngine, tiny_target, tokenizer
     spec = GroupedEngine(served_target, tokenizer(), max_model_len=CTX)
-    assert batch_mode(spec, 8)[0] == 1 and "speculative decoding is not batched" in batch_mode(spec, 8)[1]
+    assert batch_mode(spec, 8)[0] == 8 and "speculative decoding for a greedy request that runs alone" \
+        in batch_mode(spec, 8)[1]
+    assert batch_mode(spec, 1)[0] == 1
     from eagle3.generate import Engine
     reference = Engine(tiny_target(), tokenizer(), max_model_len=CTX)      # a reference LlamaModel
     assert batch_mode(reference, 8)[0] == 1 and "no batched forward" in batch_mode(reference, 8)[1]
     assert batch_mode(Engine(served_target, tokenizer(), max_model_len=CTX), 8)[0] == 8
 
 
-# ---------------------------------------------------------------------------- the serving bench
+# ---------------------------------------------------------------------------- speculation when alone
+SOLO_PROMPTS = ([5, 9, 13, 17, 21], [30, 31, 3, 4, 6, 8, 10, 12, 14, 16, 18], [7, 7, 8])
+SOLO_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def solo_engines():
+    """(plain, speculative) Engines on one row-stable bf16 target; the draft is an oracle of the
+    target's own greedy outputs for SOLO_PROMPTS (most of its proposals are accepted)."""
+    from eagle3.api import build_layouts
+    from eagle3.generate import Engine, SamplingParams
+    from eagle3.speculative.tree import SpecParams
+    from spec_helpers import StubTokenizer, oracle_draft, tiny_draft
+    model = tiny_target(seed=4)
+    target, _ = build_layouts(model, tiny_draft(model), "bf16", "fp32")
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    seq: list[int] = []
+    for p in SOLO_PROMPTS[:1]:
+        out = plain.generate(prompt_ids=p, params=SamplingParams(max_new_tokens=SOLO_NEW + 8, ignore_eos=True))
+        seq = p + out.token_ids
+    spec = Engine(target, StubTokenizer(), draft=oracle_draft(model, seq), spec=SpecParams(2, 3, 6, 0.0),
+                  max_model_len=CTX)
+    return plain, spec
+
+
+def test_a_greedy_request_alone_decodes_speculatively(solo_engines, one_thread):
+    """Alone with nobody waiting: every step after the prefill is a speculative step on the solo
+    engine (drafted trees, accepted tokens), and the output is plain decoding's."""
+    from eagle3.generate import SamplingParams
+    plain, spec = solo_engines
+    sched = scheduler(spec, max_batch=3)
+    req = sched.add(SOLO_PROMPTS[0], SamplingParams(max_new_tokens=SOLO_NEW, ignore_eos=True))
+    chunks = drain(sched)[req.id]
+    check_equals_alone(plain, req, chunks)
+    assert req.solo_steps == len(req.steps) - 1 and all(s.proposed > 0 for s in req.steps[1:])
+    assert sum(s.accepted for s in req.steps) > SOLO_NEW // 3          # the oracle is mostly right
+    assert len(chunks) < SOLO_NEW and any(any(c.from_draft) for c in chunks)
+    assert sched.cache.num_free == 3
+
+
+def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engines, one_thread):
+    """Three speculative steps alone, then two requests arrive (one greedy, one seeded sampling):
+    the first leaves the solo engine, its prompt and output so far are prefilled into its slot in
+    chunks (nothing emitted meanwhile), then it decodes plainly with the others. Every output equals
+    plain decoding alone; the sampled request never went solo."""
+    from eagle3.generate import SamplingParams
+    plain, spec = solo_engines
+    sched = scheduler(spec, max_batch=3, prefill_chunk=8)
+    first = sched.add(SOLO_PROMPTS[0], SamplingParams(max_new_tokens=SOLO_NEW, ignore_eos=True))
+    chunks: dict = {}
+    for _ in range(4):                                    # the prefill, then 3 solo steps
+        for e in sched.step():
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+    assert first.solo_steps == 3 and first.decoder is not None
+    done_alone = len(first.out_ids)
+    assert done_alone > 4                                 # speculation gave more than a token a step
+    others = [sched.add(SOLO_PROMPTS[1], SamplingParams(max_new_tokens=10)),
+              sched.add(SOLO_PROMPTS[2], SamplingParams(temperature=1.0, seed=5, max_new_tokens=12))]
+    emitted = {e.request.id for e in sched.step()}
+    assert first.decoder is None and first.id not in emitted and first.fed == 8     # its first chunk
+    refill = len(SOLO_PROMPTS[0]) + done_alone - 1          # prompt + output but the last token
+    while first.prefilling:
+        assert len(first.out_ids) == done_alone           # nothing emitted while it refills
+        for e in sched.step():
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+    assert first.fed == refill
+    for rid, cs in drain(sched).items():
+        chunks.setdefault(rid, []).extend(cs)
+    for req in [first] + others:
+        check_equals_alone(plain, req, chunks[req.id])
+    assert all(s.accepted == 0 for s in first.steps[4:]) and first.solo_steps == 3
+    assert all(r.solo_steps == 0 for r in others)
+
+
+def test_a_sampled_request_alone_is_never_solo(solo_engines, one_thread):
+    """Seeded sampling decodes plainly even alone, so its output never depends on the load."""
+    from eagle3.generate import SamplingParams
+    plain, spec = solo_engines
+    sched = scheduler(spec, max_batch=2)
+    req = sched.add(SOLO_PROMPTS[1], SamplingParams(temperature=0.9, seed=3, max_new_tokens=12))
+    chunks = drain(sched)[req.id]
+    assert req.solo_steps == 0 and all(s.proposed == 0 for s in req.steps)
+    check_equals_alone(plain, req, chunks)
+
+
+def test_a_cancelled_solo_request_frees_its_slot(solo_engines, one_thread):
+    from eagle3.generate import SamplingParams
+    _, spec = solo_engines
+    sched = scheduler(spec, max_batch=2)
+    req = sched.add(SOLO_PROMPTS[0], SamplingParams(max_new_tokens=SOLO_NEW))
+    sched.step()
+    sched.step()
+    assert req.decoder is not None and sched.cache.num_free == 1
+    sched.cancel(req)
+    assert req.decoder is None and sched.cache.num_free == 2 and not sched.has_work
+
+
 def test_serving_bench_measures_streamed_requests(served_target):
     """scripts/bench_serving.py's clients and statistics against the batched app in-process:
     every request streams its tokens, the figures come from the timings (2 clients x 6 tokens)."""

@@ -243,3 +243,39 @@ def test_every_weights_choice_has_a_vllm_dtype():
     from eagle3.api import WEIGHT_CHOICES
     from eagle3.bench.vllm_peer import DTYPES
     assert set(WEIGHT_CHOICES) <= set(DTYPES)
+
+
+# ---------------------------------------------------------------------------- vLLM's OpenAI server
+def test_the_serving_bench_starts_vllms_server_as_the_bench_child(tmp_path):
+    """`vllm serve` from the venv beside its python, on our weights and batch size, same dtype and
+    seed as the bench child, no prefix caching; our draft as a chain of --chain-depth tokens."""
+    from eagle3.bench.vllm_peer import server_command
+    python = tmp_path / "venv" / "bin" / "python"
+    s = settings(python, tmp_path / "work", dtype="bfloat16", enforce_eager=False, chain_depth=4)
+    plain = server_command(s, tmp_path / "target", None, 8123, 16, "bench")
+    assert plain[:3] == [str(python.parent / "vllm"), "serve", str(tmp_path / "target")]
+    flags = dict(zip(plain[3::2], plain[4::2]))
+    assert flags["--max-num-seqs"] == "16" and flags["--port"] == "8123" and flags["--dtype"] == "bfloat16"
+    assert flags["--served-model-name"] == "bench" and flags["--host"] == "127.0.0.1"
+    assert "--no-enable-prefix-caching" in plain and "--enforce-eager" not in plain
+    assert "--speculative-config" not in plain
+    spec = server_command(settings(python, tmp_path, enforce_eager=True), tmp_path / "target",
+                          tmp_path / "draft", 8123, 4, "bench")
+    config = json.loads(spec[spec.index("--speculative-config") + 1])
+    assert config == {"method": "eagle3", "model": str(tmp_path / "draft"), "num_speculative_tokens": 3}
+    assert "--enforce-eager" in spec
+
+
+def test_the_serving_bench_skips_vllm_without_its_venv_and_names_the_install(tmp_path):
+    import importlib.util
+    path = ROOT / "scripts" / "bench_serving.py"
+    spec = importlib.util.spec_from_file_location("bench_serving_vllm", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving_vllm"] = bench
+    spec.loader.exec_module(bench)
+    args = bench.parse_args(["--systems", "ours,vllm", "--vllm-python", str(tmp_path / "none" / "python"),
+                             "--out", str(tmp_path)])
+    why = bench.vllm_missing(args)
+    assert why and INSTALL in why and str(tmp_path / "none" / "python") in why
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.main(["--systems", "ours,sglang", "--out", str(tmp_path)])

@@ -13,6 +13,16 @@ Each request's output equals its Engine output alone (greedy and seeded sampling
 is row-stable (bf16 as load_engine builds it): every row of a forward gets the bits it gets alone.
 Bookkeeping is plain Python; speculation inside the batch is not done yet (a request's block would
 be its verify tree: SlotRows already lets blocks differ in rows).
+
+Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that
+is admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches
+(its SpecDecoder and adaptive policy: the single-stream speed of a speculative server). When
+another request arrives it is preempted after its current step and joins the batch: its prompt and
+output so far are prefilled into its slot in chunks like a prompt (recomputed, as vLLM recomputes
+a preempted sequence), without emitting, and it decodes plainly with the others from its last
+token on. A greedy output is the same either way (speculation is lossless, the layout row-stable);
+sampled requests never go solo, so a seeded output never depends on the load. One request decodes
+alone on the solo engine at most; the batch never waits for speculation.
 """
 from __future__ import annotations
 
@@ -27,7 +37,7 @@ import torch
 from ..errors import InputError
 from ..sampling import SamplingParams, sample_next
 from ..speculative.step import Step
-from .engine import check_length
+from .engine import check_length, take_tokens
 from .text import TextStream
 from .types import Chunk, GenerationResult
 
@@ -46,15 +56,29 @@ class BatchRequest:
     stop_ids: frozenset[int]
     arrived: float = field(default_factory=time.perf_counter)
     slot: Optional[int] = None
-    fed: int = 0                    # tokens (prompt, then output) whose k/v are in the cache
+    fed: int = 0                    # tokens (prompt, then output) whose k/v are in the slot
+    decoder: Optional[object] = None    # its SpecDecoder while it decodes alone (solo)
+    solo_steps: int = 0             # decode steps it ran speculatively alone
     out_ids: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     ttft_s: float = 0.0
     finish: Optional[str] = None    # "stop" | "length" | "cancelled"
 
     @property
+    def context_len(self) -> int:
+        """Tokens whose k/v must be in the slot before the next decode row (its last output token,
+        or the prompt's last token before the first output)."""
+        return len(self.prompt_ids) + max(len(self.out_ids) - 1, 0)
+
+    @property
     def prefilling(self) -> bool:
-        return self.fed < len(self.prompt_ids)
+        return self.fed < self.context_len
+
+    def context(self, start: int, count: int) -> list[int]:
+        """Tokens start.. (at most count) of the prompt followed by the output, below context_len."""
+        end = min(start + count, self.context_len)
+        n = len(self.prompt_ids)
+        return (self.prompt_ids[start:min(end, n)] + self.out_ids[max(start - n, 0):max(end - n, 0)])
 
     @property
     def done(self) -> bool:
@@ -68,8 +92,9 @@ class Emitted(NamedTuple):
 
 class BatchScheduler:
     def __init__(self, target, tokenizer, eos_ids: set[int], max_batch: int = DEFAULT_MAX_BATCH,
-                 max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK):
-        """target: an inference layout with forward_rows (runtime.target.InferenceTarget)."""
+                 max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None):
+        """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
+        solo: an Engine with a draft on this target, for a greedy request that runs alone."""
         if max_batch < 1 or prefill_chunk < 1:
             raise InputError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be "
                              ">= 1")
@@ -78,6 +103,9 @@ class BatchScheduler:
                              "batching needs the native inference layout; use max_batch 1")
         self.target, self.tokenizer, self.eos_ids = target, tokenizer, frozenset(eos_ids)
         self.max_batch, self.max_model_len, self.prefill_chunk = max_batch, max_model_len, prefill_chunk
+        if solo is not None and (not solo.speculative or solo.target is not target):
+            raise InputError("the solo engine must be speculative (a draft) on the batch's own target")
+        self.solo = solo
         self.cache = target.new_slot_cache(max_model_len, max_batch)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []          # admission order
@@ -86,9 +114,10 @@ class BatchScheduler:
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH,
                     prefill_chunk: int = PREFILL_CHUNK) -> "BatchScheduler":
-        """A scheduler over an Engine's target, tokenizer, eos ids and context length."""
+        """A scheduler over an Engine's target, tokenizer, eos ids and context length; a speculative
+        Engine also decodes a greedy request that runs alone (solo)."""
         return cls(engine.target, engine.tokenizer, engine.eos_ids, max_batch, engine.max_model_len,
-                   prefill_chunk)
+                   prefill_chunk, solo=engine if engine.speculative else None)
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> BatchRequest:
@@ -108,6 +137,7 @@ class BatchScheduler:
         req.finish = "cancelled"
         if req in self.waiting:
             self.waiting.remove(req)
+        self._end_solo(req)
         self._retire(req)
 
     @property
@@ -120,24 +150,68 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Emitted]:
-        """One forward over every running request's rows; the chunks it produced."""
+        """One forward over every running request's rows (or one speculative step of the request
+        that runs alone); the chunks it produced."""
         self._admit()
         if not self.running:
             return []
+        solo = [r for r in self.running if r.decoder is not None]
+        if solo and (len(self.running) > 1 or self.waiting):
+            self._end_solo(solo[0])               # company: it joins the batch from its last token
+        elif solo or self._may_go_solo():
+            return self._solo_step(self.running[0])
         blocks = self._blocks()
-        rows = self.cache.plan([(req.slot, len(ids)) for req, ids in blocks])
+        rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks])
         t0 = time.perf_counter()
-        logits = self.target.forward_rows(torch.tensor([t for _, ids in blocks for t in ids]),
+        logits = self.target.forward_rows(torch.tensor([t for _, ids, _ in blocks for t in ids]),
                                           rows, self.cache)
         step_s = time.perf_counter() - t0
         emitted = []
-        for (req, ids), row in zip(blocks, logits):
+        for (req, ids, decodes), row in zip(blocks, logits):
             req.fed += len(ids)
-            if not req.prefilling:
+            if decodes or (not req.prefilling and not req.out_ids):
                 emitted.append(Emitted(req, self._emit(req, row, step_s)))
         for req in [r for r in self.running if r.done]:
             self._retire(req)
         return emitted
+
+    # ------------------------------------------------------------------ alone: speculative
+    def _may_go_solo(self) -> bool:
+        """A fresh greedy request alone in the batch with nobody waiting, and a solo engine."""
+        if self.solo is None or len(self.running) != 1 or self.waiting:
+            return False
+        req = self.running[0]
+        return req.params.greedy and req.fed == 0 and not req.out_ids
+
+    def _solo_step(self, req: BatchRequest) -> list[Emitted]:
+        """The prefill (first call) or one speculative step on the solo engine's caches."""
+        engine = self.solo
+        if req.decoder is None:
+            req.decoder = engine.make_decoder(req.params)
+            step = req.decoder.prefill(req.prompt_ids, req.params.max_new_tokens)
+        else:
+            if engine.governor is not None:
+                engine.governor.before_step()
+            step = req.decoder.step()
+            if engine.governor is not None:
+                engine.governor.after_step()
+            req.solo_steps += 1
+            if engine.monitor is not None:
+                engine.monitor.observe(step)
+        chunk = self._emit_step(req, step)
+        if req.done:
+            self._end_solo(req)
+            self._retire(req)
+        return [Emitted(req, chunk)]
+
+    def _end_solo(self, req: BatchRequest) -> None:
+        """Leave the solo engine. Its slot holds nothing of the request (fed is still 0), so its
+        prompt and output so far are prefilled there from the start (chunked, not emitted)."""
+        if req.decoder is None:
+            return
+        req.decoder = None
+        if self.solo.governor is not None:
+            self.solo.governor.restore()
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:
@@ -145,36 +219,41 @@ class BatchScheduler:
             req.slot = self.cache.allocate()
             self.running.append(req)
 
-    def _blocks(self) -> list[tuple[BatchRequest, list[int]]]:
-        """Each running request's tokens this step: decoders first, then prompt chunks in order."""
-        blocks = [(r, [r.out_ids[-1]]) for r in self.running if not r.prefilling]
+    def _blocks(self) -> list[tuple[BatchRequest, list[int], bool]]:
+        """Each running request's tokens this step, and whether the block decodes (its logits give
+        the next token): decoders first, then prompt chunks in order (a request back from solo
+        prefills its prompt and output so far the same way)."""
+        blocks = [(r, [r.out_ids[-1]], True) for r in self.running if not r.prefilling]
         budget = self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:
-                ids = r.prompt_ids[r.fed:r.fed + budget]
-                blocks.append((r, ids))
+                ids = r.context(r.fed, budget)
+                blocks.append((r, ids, False))
                 budget -= len(ids)
         return blocks
 
     def _emit(self, req: BatchRequest, logits: torch.Tensor, step_s: float) -> Chunk:
         """Sample the request's next token and apply its stop conditions (as Engine.run)."""
         token = int(sample_next(logits, req.params, req.gen))
-        step = Step([token], 0, verify_s=step_s)
+        return self._emit_step(req, Step([token], 0, verify_s=step_s))
+
+    def _emit_step(self, req: BatchRequest, step: Step) -> Chunk:
+        """Take a step's tokens up to a stop id or max tokens (as Engine.run), then stop strings."""
         req.steps.append(step)
-        new = [] if token in req.stop_ids else [token]
+        new, finish = take_tokens(step, req.out_ids, req.stop_ids, req.params.max_new_tokens)
         req.out_ids.extend(new)
-        finish = "stop" if not new else ("length" if len(req.out_ids) >= req.params.max_new_tokens else None)
+        from_draft = [i < step.accepted for i in range(len(new))]
         delta = req.text.push(new)
         if req.text.stopped:
             finish = "stop"
         req.ttft_s = req.ttft_s or time.perf_counter() - req.arrived
         if finish is None:
-            return Chunk(delta, new, [False] * len(new), step=step)
+            return Chunk(delta, new, from_draft, step=step)
         req.finish = finish
         delta += req.text.flush()
         result = GenerationResult(req.text.text, req.out_ids, len(req.prompt_ids), finish, req.steps,
                                   time.perf_counter() - req.arrived, req.ttft_s)
-        return Chunk(delta, new, [False] * len(new), finish, result, step)
+        return Chunk(delta, new, from_draft, finish, result, step)
 
     def _retire(self, req: BatchRequest) -> None:
         if req.slot is not None:

@@ -120,7 +120,7 @@ class Engine:
                 steps.append(step)
                 if self.monitor is not None and len(steps) > 1:
                     self.monitor.observe(step)
-                new, finish = self._take(step, out_ids, stop_ids, params.max_new_tokens)
+                new, finish = take_tokens(step, out_ids, stop_ids, params.max_new_tokens)
                 out_ids.extend(new)
                 delta = text.push(new)
                 if text.stopped:
@@ -149,14 +149,15 @@ class Engine:
                 self.governor.after_step()
             yield step
 
-    @staticmethod
-    def _take(step: Step, out_ids: list[int], stop_ids: set[int], max_new: int):
-        """Tokens of this step that are emitted, and the finish reason if generation ends here."""
-        new: list[int] = []
-        for tok in step.tokens:
-            if tok in stop_ids:
-                return new, "stop"
-            new.append(tok)
-            if len(out_ids) + len(new) >= max_new:
-                return new, "length"
-        return new, None
+
+def take_tokens(step: Step, out_ids: list[int], stop_ids: set[int] | frozenset[int],
+                max_new: int) -> tuple[list[int], Optional[str]]:
+    """Tokens of this step that are emitted, and the finish reason if generation ends here."""
+    new: list[int] = []
+    for tok in step.tokens:
+        if tok in stop_ids:
+            return new, "stop"
+        new.append(tok)
+        if len(out_ids) + len(new) >= max_new:
+            return new, "length"
+    return new, None

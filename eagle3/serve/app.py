@@ -62,8 +62,8 @@ def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = N
                max_batch: int = 1) -> FastAPI:
     """An app serving `engine` (an eagle3.generate.Engine). Start it with its lifespan (uvicorn or
     `with TestClient(app)`): the lifespan starts and stops the engine worker. max_batch > 1 decodes
-    up to that many plain requests together (continuous batching, serve.queue.BatchWorker); a
-    speculative engine serves one sequence at a time (speculation is not batched yet)."""
+    up to that many requests together (continuous batching, serve.queue.BatchWorker); with a
+    speculative engine a greedy request that runs alone decodes speculatively (batch_mode)."""
     server = Server(engine, model_name, api_key, max_queue, max_body_bytes, max_batch)
     app = FastAPI(title="eagle3", lifespan=server.lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
@@ -101,14 +101,15 @@ def batch_mode(engine, max_batch: int) -> tuple[int, str]:
         raise InputError(f"max_batch must be >= 1, got {max_batch}")
     if max_batch == 1:
         return 1, "serving one sequence at a time (--max-batch 1)"
-    if engine.speculative:
-        return 1, (f"serving one sequence at a time: speculative decoding is not batched yet "
-                   f"(--max-batch {max_batch} applies to plain decoding, without a draft)")
     if not hasattr(engine.target, "forward_rows"):
         return 1, (f"serving one sequence at a time: {type(engine.target).__name__} has no batched "
                    f"forward (--max-batch {max_batch} needs the native inference layout)")
-    return max_batch, (f"continuous batching of plain decoding: up to {max_batch} sequences per "
-                       f"step, prompts prefilled in chunks of {PREFILL_CHUNK} tokens")
+    batching = (f"continuous batching of plain decoding: up to {max_batch} sequences per step, "
+                f"prompts prefilled in chunks of {PREFILL_CHUNK} tokens")
+    if engine.speculative:
+        return max_batch, (f"{batching}; speculative decoding for a greedy request that runs alone "
+                           "(it joins the batch when another arrives; speculation is not batched yet)")
+    return max_batch, batching
 
 
 # ---------------------------------------------------------------------------- server state

@@ -35,7 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="plain requests decoded together, continuous batching (default "
                         f"{DEFAULT_MAX_BATCH}: an {DEFAULT_MAX_BATCH}-row forward costs ~1.35x a one-row "
                         "forward on the bf16 kernels; each slot holds a max-model-len KV cache). "
-                        "1, or a draft (speculation is not batched yet): one sequence at a time")
+                        "With a draft, a greedy request that runs alone decodes speculatively and "
+                        "joins the batch when another arrives. 1: one sequence at a time")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context length: prompt + max_tokens (default 2048)")
     p.add_argument("--device", default=None, help="cpu | cuda | ... (default: best available)")

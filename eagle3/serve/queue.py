@@ -1,6 +1,6 @@
 """A bounded queue in front of the engine, in its own thread: EngineWorker serves one sequence at a
-time (speculative decoding, or --max-batch 1); BatchWorker (at the end) decodes up to max_batch
-plain sequences together (continuous batching).
+time (--max-batch 1, or a target without a batched forward); BatchWorker (at the end) decodes up
+to max_batch sequences together (continuous batching; with a draft, speculative when one runs alone).
 
 Request handlers put Jobs on a bounded asyncio.Queue (full -> QueueFull, answered 503). One consumer
 task takes them in arrival order and runs each in a single worker thread, which iterates
@@ -153,7 +153,8 @@ class EngineWorker:
 
 
 class BatchWorker:
-    """Continuous batching in front of a plain-decoding engine (generate.batch.BatchScheduler).
+    """Continuous batching in front of an engine (generate.batch.BatchScheduler): plain rows for a
+    batch; with a draft, a greedy request that runs alone decodes speculatively until another comes.
 
     Requests wait in a bounded queue (full -> QueueFull, answered 503) until a batch slot is free;
     one engine thread runs scheduler steps while any request is running, admitting waiting jobs
