@@ -353,6 +353,47 @@ def test_served_concurrent_requests_each_get_their_own_output(served_target, alo
     assert g["eagle3:num_requests_running"] == 0 and g["eagle3:num_requests_waiting"] == 0
 
 
+def test_a_speculative_server_batches_and_speculates_for_a_request_alone(served_target, alone):
+    """A server with a draft and --max-batch 3: one greedy request alone is decoded speculatively
+    (its usage counts drafted tokens), then four at once share batch steps; every answer equals
+    plain decoding alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from eagle3.generate import SamplingParams
+    from eagle3.serve import create_app
+    from eagle3.serve.queue import BatchWorker
+    from serve_fixtures import GroupedEngine, RunningServer, tokenizer
+    engine = GroupedEngine(served_target, tokenizer(), max_model_len=CTX)
+    app = create_app(engine, model_name="tiny", max_batch=3)
+    worker = app.state.server.worker
+    assert isinstance(worker, BatchWorker) and worker.scheduler.solo is engine
+    running_seen = []
+    step = worker.scheduler.step
+    worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
+    texts = [f"Tell me about {i * 13} and more." for i in range(5)]
+    temps = [0.0, 0.0, 0.8, 0.0, 0.0]
+    refs = [alone.generate(messages=[{"role": "user", "content": t}],
+                           params=SamplingParams(temperature=temp, seed=i, max_new_tokens=12)).text
+            for i, (t, temp) in enumerate(zip(texts, temps))]
+
+    def ask(i: int) -> dict:
+        body = {"model": "tiny", "messages": [{"role": "user", "content": texts[i]}], "max_tokens": 12,
+                "temperature": temps[i], "seed": i}
+        return httpx.post(s.url + "/v1/chat/completions", json=body, timeout=60).json()
+
+    with RunningServer(app) as s:
+        first = ask(0)
+        assert max(running_seen) == 1
+        with ThreadPoolExecutor(4) as pool:
+            rest = list(pool.map(ask, range(1, 5)))
+    answers = [r["choices"][0]["message"]["content"] for r in [first] + rest]
+    assert answers == refs
+    assert first["eagle3"]["drafted_tokens"] > 0 and first["eagle3"]["draft_tokens_proposed"] > 0   # alone: speculative
+    assert max(running_seen) == 3
+
+
 def test_served_batch_gauges_queue_full_and_cancel(served_target):
     """max_batch 2, max_queue 1: two streams run, a third waits (the gauges say so), a fourth gets
     503; closing a stream frees its slot and the waiting request is served."""
