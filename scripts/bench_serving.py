@@ -8,16 +8,18 @@ streaming clients (issues #18, #21).
 
 Systems, each a server in a child process: `ours` = `eagle3 serve --draft none --max-batch B` for
 each --max-batch value (continuous batching of plain decoding); `ours-eagle3` = `eagle3 serve` with
-the default draft and the largest --max-batch (a greedy request alone decodes speculatively, a batch
-plainly); `vllm` = vLLM's OpenAI server (`vllm
-serve`, from the vLLM venv of scripts/vllm_env.sh) on the same weights, --max-num-seqs = the
+the default draft, for each --max-batch value (a greedy request alone decodes speculatively, a
+batch plainly; --max-batch 1: one sequence at a time, all speculative); `vllm` = vLLM's OpenAI server (its
+api_server module, from the vLLM venv of scripts/vllm_env.sh) on the same weights, --max-num-seqs = the
 largest --max-batch, bf16 unless --weights fp32 (it has no kernels for GGUF codes), compiled unless
 --vllm-eager; `vllm-eagle3` = the same with our draft exported in the speculators layout, a chain
 of --chain-depth tokens. vLLM's threads are pinned to this process's cores, its caches and sockets
 kept under --out/vllm-serve (eagle3.bench.vllm_peer). A missing vLLM venv skips its systems with
 the install line. Or --url benches one running server, once.
 
-Each server is warmed up, then for each client count N and temperature
+Our servers run at once and the cells are interleaved (each (temperature, clients) cell on each
+server back to back: a machine whose speed drifts shifts every system alike); vLLM's run after,
+one at a time. Each server is warmed up, then for each client count N and temperature
 sends the first --prompts MT-bench questions (eagle3.bench.workload, round-robin over categories)
 over the OpenAI chat API, streamed, at most N in flight (each client takes the next prompt when its
 last one ends), --tokens new tokens each (ignore_eos, so every request is the same length; T > 0
@@ -230,7 +232,7 @@ def vllm_missing(args) -> Optional[str]:
     """Why the vLLM systems cannot run here (with the install line), or None."""
     from eagle3.bench.vllm_peer import INSTALL, PYTHON_ENV
     s = vllm_settings(args)
-    if not s.python.is_file() or not (s.python.parent / "vllm").is_file():
+    if not s.python.is_file():
         return (f"no vLLM venv at {s.python} (install: {INSTALL}; elsewhere pass --vllm-python or set "
                 f"{PYTHON_ENV})")
     return None
@@ -248,7 +250,7 @@ def vllm_command(args, port: int, max_batch: int, speculative: bool) -> tuple[li
     draft_dir = None
     if speculative:
         from eagle3.api import load_engine
-        engine = load_engine(args.model, draft="default", weights="fp32")
+        engine = load_engine(args.model, draft="default", weights="fp32", pack=False)   # the modules
         draft_dir = export_for_vllm(engine.draft, engine.target.config, src.hf_dir, s.work_dir,
                                     args.chain_depth)
     model_dir = model_dir_for_vllm(src.hf_dir, s.work_dir)
@@ -293,17 +295,24 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def bench_server(args, url: str, max_batch: Optional[int], prompts: list[str],
-                 system: str = "url") -> list[Result]:
-    # warm-up: a compiled server (vLLM) compiles its batch sizes on first use
+def warm_up(args, url: str, prompts: list[str]) -> None:
+    # a compiled server (vLLM) compiles its batch sizes on first use
     asyncio.run(run_clients(url, prompts[:1], 1, min(16, args.tokens), 0.0))
     asyncio.run(run_clients(url, prompts[:max(args.clients)], max(args.clients), 8, 0.0))
+
+
+def bench_servers(args, servers: list[tuple[str, Optional[int], str]], prompts: list[str]) -> list[Result]:
+    """Every (temperature, clients) cell on each of `servers` ((system, max_batch, url)) back to
+    back, so that a machine whose speed drifts over the run shifts every system alike."""
+    for _, _, url in servers:
+        warm_up(args, url, prompts)
     results = []
     for temp in args.temperatures:
         for clients in args.clients:
-            timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
-            results.append(summarize(timings, wall, max_batch, clients, temp, system))
-            print(table(results[-1:]).splitlines()[-1], flush=True)
+            for system, max_batch, url in servers:
+                timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
+                results.append(summarize(timings, wall, max_batch, clients, temp, system))
+                print(table(results[-1:]).splitlines()[-1], flush=True)
     return results
 
 
@@ -350,19 +359,37 @@ def main(argv=None) -> int:
     results: list[Result] = []
     skipped: dict[str, str] = {}
     if args.url:
-        results = bench_server(args, args.url.rstrip("/"), None, prompts)
-    runs = [] if args.url else (
-        [("ours", b) for b in args.max_batch if "ours" in args.systems]
-        + [("ours-eagle3", max(args.max_batch))] * ("ours-eagle3" in args.systems)
-        + [(x, max(args.max_batch)) for x in ("vllm", "vllm-eagle3") if x in args.systems])
-    for system, batch in runs:
-        if system.startswith("vllm") and vllm_missing(args):
+        results = bench_servers(args, [("url", None, args.url.rstrip("/"))], prompts)
+    # ours: every server up at once (an idle one waits on a condition, using no CPU), the cells
+    # interleaved; vLLM's after, one server at a time (its idle engine process shares the cores)
+    ours = [] if args.url else ([("ours", b) for b in args.max_batch if "ours" in args.systems]
+                                + [("ours-eagle3", b) for b in args.max_batch if "ours-eagle3" in args.systems])
+    peers = [] if args.url else [(x, max(args.max_batch)) for x in ("vllm", "vllm-eagle3")
+                                 if x in args.systems]
+    procs = []
+    try:
+        servers = []
+        for system, batch in ours:
+            proc, url = start_server(args, system, batch)
+            procs.append(proc)
+            servers.append((system, batch, url))
+        results += bench_servers(args, servers, prompts) if servers else []
+    finally:
+        for proc in procs:
+            stop_server(proc)
+    for system, batch in peers:
+        if vllm_missing(args):
             skipped[system] = vllm_missing(args)
             print(f"{system}: skipped: {skipped[system]}", flush=True)
             continue
-        proc, url = start_server(args, system, batch)
         try:
-            results += bench_server(args, url, batch, prompts, system)
+            proc, url = start_server(args, system, batch)
+        except (SystemExit, Exception) as e:     # a peer that does not start is said, not fatal
+            skipped[system] = f"{type(e).__name__}: {e}"
+            print(f"{system}: skipped: {skipped[system]}", flush=True)
+            continue
+        try:
+            results += bench_servers(args, [(system, batch, url)], prompts)
         finally:
             stop_server(proc)
     results = with_baseline(results)

