@@ -377,10 +377,11 @@ def main(argv=None) -> int:
     finally:
         for proc in procs:
             stop_server(proc)
+    missing = vllm_missing(args) if peers else None
     for system, batch in peers:
-        if vllm_missing(args):
-            skipped[system] = vllm_missing(args)
-            print(f"{system}: skipped: {skipped[system]}", flush=True)
+        if missing:
+            skipped[system] = missing
+            print(f"{system}: skipped: {missing}", flush=True)
             continue
         try:
             proc, url = start_server(args, system, batch)

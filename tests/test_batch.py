@@ -460,7 +460,7 @@ SOLO_NEW = 24
 @pytest.fixture(scope="module")
 def solo_engines():
     """(plain, speculative) Engines on one row-stable bf16 target; the draft is an oracle of the
-    target's own greedy outputs for SOLO_PROMPTS (most of its proposals are accepted)."""
+    target's own greedy output for SOLO_PROMPTS[0] (most of its proposals are accepted)."""
     from eagle3.api import build_layouts
     from eagle3.generate import Engine, SamplingParams
     from eagle3.speculative.tree import SpecParams
@@ -468,10 +468,9 @@ def solo_engines():
     model = tiny_target(seed=4)
     target, _ = build_layouts(model, tiny_draft(model), "bf16", "fp32")
     plain = Engine(target, StubTokenizer(), max_model_len=CTX)
-    seq: list[int] = []
-    for p in SOLO_PROMPTS[:1]:
-        out = plain.generate(prompt_ids=p, params=SamplingParams(max_new_tokens=SOLO_NEW + 8, ignore_eos=True))
-        seq = p + out.token_ids
+    first = SOLO_PROMPTS[0]
+    seq = first + plain.generate(prompt_ids=first, params=SamplingParams(max_new_tokens=SOLO_NEW + 8,
+                                                                       ignore_eos=True)).token_ids
     spec = Engine(target, StubTokenizer(), draft=oracle_draft(model, seq), spec=SpecParams(2, 3, 6, 0.0),
                   max_model_len=CTX)
     return plain, spec

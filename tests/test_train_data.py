@@ -69,13 +69,19 @@ def test_dataset_replies_are_templated_terminated_resumable(sources, tmp_path):
     assert len(job.out_jsonl.read_text().splitlines()) == 1
 
 
-def test_data_files_are_read_in_order(tmp_path):
+def two_data_files(tmp_path) -> list[str]:
+    """c0.jsonl and c1.jsonl, three samples each; the response id of sample i of file k is 10k+i."""
     files = []
     for k in range(2):
         f = tmp_path / f"c{k}.jsonl"
         f.write_text("".join(json.dumps({"id": f"{k}{i}", "prompt_ids": [1, 2], "response_ids": [10 * k + i]}) + "\n"
                              for i in range(3)))
         files.append(str(f))
+    return files
+
+
+def test_data_files_are_read_in_order(tmp_path):
+    files = two_data_files(tmp_path)
     cfg = TrainConfig.from_dict({"data": files, "out": str(tmp_path / "run")})
     assert cfg.data_paths == [tmp_path / "c0.jsonl", tmp_path / "c1.jsonl"]
     assert [int(s.ids[-1]) for s in load_samples(cfg)] == [0, 1, 2, 10, 11, 12]
@@ -87,12 +93,7 @@ def test_a_resumed_run_keeps_its_files_counts_and_refuses_other_files(tmp_path):
     from eagle3.errors import ContractError
     from eagle3.train.real import load_data
     from eagle3.train.store import part_name
-    files = []
-    for k in range(2):
-        f = tmp_path / f"c{k}.jsonl"
-        f.write_text("".join(json.dumps({"id": f"{k}{i}", "prompt_ids": [1, 2], "response_ids": [10 * k + i]}) + "\n"
-                             for i in range(3)))
-        files.append(str(f))
+    files = two_data_files(tmp_path)
     cfg = TrainConfig.from_dict({"data": files[:1], "eval_data": files[1], "out": str(tmp_path / "run")})
     (tmp_path / "run").mkdir()
     torch.save({"num_samples": 5, "parts": [[part_name(tmp_path / "c0.jsonl"), 2, False],

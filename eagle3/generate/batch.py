@@ -190,11 +190,7 @@ class BatchScheduler:
             req.decoder = engine.make_decoder(req.params)
             step = req.decoder.prefill(req.prompt_ids, req.params.max_new_tokens)
         else:
-            if engine.governor is not None:
-                engine.governor.before_step()
-            step = req.decoder.step()
-            if engine.governor is not None:
-                engine.governor.after_step()
+            step = engine.decode_step(req.decoder)
             req.solo_steps += 1
             if engine.monitor is not None:
                 engine.monitor.observe(step)

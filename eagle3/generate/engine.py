@@ -142,12 +142,16 @@ class Engine:
         """The prefill, then decode steps, each on the thread count the governor chooses."""
         yield decoder.prefill(prompt_ids, max_new_tokens)
         while True:
-            if self.governor is not None:
-                self.governor.before_step()
-            step = decoder.step()
-            if self.governor is not None:
-                self.governor.after_step()
-            yield step
+            yield self.decode_step(decoder)
+
+    def decode_step(self, decoder: Decoder) -> Step:
+        """One decode step on the thread count the governor chooses (also the batch's solo steps)."""
+        if self.governor is not None:
+            self.governor.before_step()
+        step = decoder.step()
+        if self.governor is not None:
+            self.governor.after_step()
+        return step
 
 
 def take_tokens(step: Step, out_ids: list[int], stop_ids: set[int] | frozenset[int],
