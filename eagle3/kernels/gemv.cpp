@@ -193,22 +193,38 @@ inline __m512 reduce16(const __m512* p) {
   return _mm512_permutexvar_ps(idx, f);
 }
 
-// lane k = dot(q, k0 + k * ldk, D) for keys k < n (bit for bit), 0 for the rest
+// lane k = dot(q, k0 + k * ldk, D) for keys k < n (bit for bit), 0 for the rest. Each key's sum
+// is its own chain of FMAs over q's chunks in order (the same additions for any n); the chains of
+// the 16 keys are interleaved so the FMA latency is hidden and every q chunk is loaded once (keys
+// past n re-read key n - 1, so the loop has no branch, and their lanes are zeroed).
 inline __m512 dots16(const float* q, const float* k0, int64_t ldk, int64_t n, int64_t D) {
   __m512 p[16];
-  const int64_t full = D / 16 * 16;
-  const __mmask16 tm = (__mmask16)((1u << (D - full)) - 1);
+  const float* kr[16];
   for (int key = 0; key < 16; ++key) {
-    __m512 acc = _mm512_setzero_ps();
-    if (key < n) {
-      const float* kr = k0 + key * ldk;
-      int64_t i = 0;
-      for (; i < full; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(kr + i), acc);
-      if (i < D) acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tm, q + i), _mm512_maskz_loadu_ps(tm, kr + i), acc);
-    }
-    p[key] = acc;
+    p[key] = _mm512_setzero_ps();
+    kr[key] = k0 + std::min<int64_t>(key, n - 1) * ldk;
   }
-  return reduce16(p);
+  const int64_t full = D / 16 * 16;
+  for (int64_t i = 0; i < full; i += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + i);
+    for (int key = 0; key < 16; ++key) p[key] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[key] + i), p[key]);
+  }
+  if (full < D) {
+    const __mmask16 tm = (__mmask16)((1u << (D - full)) - 1);
+    const __m512 qv = _mm512_maskz_loadu_ps(tm, q + full);
+    for (int key = 0; key < 16; ++key)
+      p[key] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tm, kr[key] + full), p[key]);
+  }
+  return _mm512_maskz_mov_ps(n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), reduce16(p));
+}
+
+// software prefetch of rows [0, n) of a [*, ld] fp32 matrix, D floats each (n <= 0: nothing)
+inline void prefetch_rows(const float* p, int64_t ld, int64_t n, int64_t D, int hint) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; d += 16) {
+      if (hint == _MM_HINT_T0) _mm_prefetch(reinterpret_cast<const char*>(p + r * ld + d), _MM_HINT_T0);
+      else _mm_prefetch(reinterpret_cast<const char*>(p + r * ld + d), _MM_HINT_T1);
+    }
 }
 
 // e^x for x <= 0 (Cephes expf polynomial, 2^n by scalef); lanes are independent
@@ -287,9 +303,13 @@ inline void weighted_sums(const float* const* p, const float* v, int64_t ldv, in
 template <int ND>
 void weighted_sums_rows(const float* const* p, const float* v, int64_t ldv, int64_t S,
                         const float* inv, float* const* out, int64_t rows) {
-  constexpr int G = ND <= 4 ? 4 : 2;       // G * ND accumulators stay in the 32 zmm registers
+  // up to G rows at a time (G * ND accumulators stay in the 32 zmm registers; more rows, more
+  // independent FMA chains): a GQA group of 3 query heads is one pass of 3, not three of 1
+  constexpr int G = ND <= 4 ? 4 : 2;
   int64_t i = 0;
   for (; i + G <= rows; i += G) weighted_sums<ND, G>(p + i, v, ldv, S, inv + i, out + i);
+  if (G > 3 && rows - i == 3) weighted_sums<ND, (G > 3 ? 3 : 1)>(p + i, v, ldv, S, inv + i, out + i), i += 3;
+  if (G > 2 && rows - i >= 2) weighted_sums<ND, (G > 2 ? 2 : 1)>(p + i, v, ldv, S, inv + i, out + i), i += 2;
   for (; i < rows; ++i) weighted_sums<ND, 1>(p + i, v, ldv, S, inv + i, out + i);
 }
 
@@ -351,6 +371,17 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const float* kb = kp + kv_b * k.stride(0) + g * k.stride(1);
       const float* vb = vp + kv_b * v.stride(0) + g * v.stride(1);
       const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
+      // the cache rows come from memory (a batch's slots far exceed the caches): the next item's
+      // keys and values stream in while this one computes its scores, a share per block of keys
+      const float *nk = nullptr, *nv = nullptr;
+      int64_t nS = 0;
+      if (r + 1 < r1) {
+        const int64_t nb = (r + 1) / (Hkv * T), ng = ((r + 1) / T) % Hkv, nt = (r + 1) % T;
+        const int64_t nkv = rows ? row_slot[nt] : nb;
+        nS = rows ? row_keys[nt] : S_all;
+        nk = kp + nkv * k.stride(0) + ng * k.stride(1);
+        nv = vp + nkv * v.stride(0) + ng * v.stride(1);
+      }
       for (int64_t i = 0; i < group; ++i) {
         const int64_t row = (b * Hq + g * group + i) * T + t;
         qrow[i] = qp + row * D;
@@ -360,6 +391,11 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       }
       for (int64_t s0 = 0; s0 < S; s0 += 16) {
         const int64_t n = std::min<int64_t>(16, S - s0);
+        if (nk) {
+          const int64_t lo = s0 * nS / S, hi = std::min<int64_t>(S, s0 + 16) * nS / S;
+          prefetch_rows(nk + lo * k.stride(2), k.stride(2), hi - lo, D, _MM_HINT_T1);
+          prefetch_rows(nv + lo * v.stride(2), v.stride(2), hi - lo, D, _MM_HINT_T1);
+        }
         __mmask16 live = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
         if (mr)
           for (int64_t j = 0; j < n; ++j)
@@ -385,8 +421,21 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       }
       // sums run over the keys in order, one at a time: masked keys add exact zeros, so a tree
       // node whose ancestors sit between masked siblings gets the bits of its path decoded alone
-      for (int64_t s = 0; s < S; ++s)
-        for (int64_t i = 0; i < group; ++i) sum[i] += sc[i * ld + s];
+      // (in registers, up to three rows' chains interleaved)
+      for (int64_t i = 0; i < group;) {
+        const float* r0p = sc.data() + i * ld;
+        if (group - i >= 3) {
+          const float *r1p = r0p + ld, *r2p = r1p + ld;
+          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+          for (int64_t s = 0; s < S; ++s) a0 += r0p[s], a1 += r1p[s], a2 += r2p[s];
+          sum[i] = a0, sum[i + 1] = a1, sum[i + 2] = a2;
+          i += 3;
+        } else {
+          float a0 = 0.0f;
+          for (int64_t s = 0; s < S; ++s) a0 += r0p[s];
+          sum[i++] = a0;
+        }
+      }
       // a row that may attend to nothing (padding) gets zeros, as SDPA gives, not 0 * inf = NaN
       for (int64_t i = 0; i < group; ++i) inv[i] = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
       if (D == 64) {
