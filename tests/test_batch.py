@@ -54,6 +54,7 @@ LAYOUTS = {  # name -> (weight dtype, row-stable, backend switches, bit for bit)
     "fp32": (torch.float32, False, {}, False),
     "bf16-row-stable": (torch.bfloat16, True, {}, True),
     "bf16-row-stable-torch-rope": (torch.bfloat16, True, {"fused_rope": False}, True),
+    "bf16-row-stable-op-by-op": (torch.bfloat16, True, {"one_call_layers": False}, True),
 }
 
 
@@ -613,3 +614,33 @@ def test_a_batch_of_one_takes_the_single_sequence_layers(monkeypatch):
     assert calls == {"layer": 2, "rows": 2}
     alone = target(torch.tensor([[3, 4, 5]]), torch.arange(3)[None], target.new_cache(16)).logits[0, -1]
     assert (one[0] - alone).abs().max() <= 1e-5
+
+
+def test_a_batch_of_several_sequences_takes_the_one_call_layer():
+    """Several sequences' rows go through gemv.cpp decoder_layer with the rows' slots, cache
+    indices and key counts (one C++ call a layer, as one sequence decodes), not op by op; the
+    logits are the op-by-op path's bit for bit."""
+    model = tiny_target(layers=2)
+    backend = choose_backend("cpu", torch.bfloat16, True)
+    if backend.kernels is None:
+        pytest.skip("no eagle3 kernels on this CPU")
+    seen = []
+
+    class Spy:      # the kernels module, with decoder_layer's row arguments recorded
+        def __getattr__(self, name):
+            return getattr(backend.kernels, name)
+
+        def decoder_layer(self, *args, **kw):
+            seen.append(kw.get("slot_of_row") if "slot_of_row" in kw else (args[9:] or [None])[0])
+            return backend.kernels.decoder_layer(*args, **kw)
+
+    fast = build_target(model, backend=replace(backend, kernels=Spy()))
+    ops = layout(model, "bf16-row-stable-op-by-op")
+    outs = []
+    for target in (fast, ops):
+        cache = target.new_slot_cache(16, slots=3)
+        a, b = cache.allocate(), cache.allocate()
+        target.forward_rows(torch.tensor([3, 4, 5, 6]), cache.plan([(a, 1), (b, 3)]), cache)
+        outs.append(target.forward_rows(torch.tensor([7, 8]), cache.plan([(a, 1), (b, 1)]), cache))
+    assert len(seen) == 4 and all(s is not None for s in seen)
+    assert torch.equal(outs[0], outs[1])

@@ -781,9 +781,15 @@ struct LayerWeights {
   bool bf16 = false;
 };
 
+// Rows of several sequences (continuous batching): h [1, N, H], k_buf/v_buf [slots, ...] and the
+// rows' slot, cache index and key count (int64 [N] each, as rope_qkv and attention take them;
+// start and mask unused): the ops of FastLayer.forward_rows, bit for bit.
 torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, const LayerWeights& w,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf, torch::Tensor v_buf,
-                            int64_t start, c10::optional<torch::Tensor> mask) {
+                            int64_t start, c10::optional<torch::Tensor> mask,
+                            c10::optional<torch::Tensor> slot_of_row = c10::nullopt,
+                            c10::optional<torch::Tensor> index_of_row = c10::nullopt,
+                            c10::optional<torch::Tensor> keys_of_row = c10::nullopt) {
   expect(h, "h", torch::kFloat32);
   TORCH_CHECK(h.dim() == 3 && h.is_contiguous(), "h must be contiguous [B, T, H], got ", h.sizes());
   TORCH_CHECK(k_buf.dim() == 4, "k_buf must be [B, Hkv, S, D], got ", k_buf.sizes());
@@ -798,10 +804,18 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
   const int64_t end = start + T, Hq = w.num_heads, Hkv = w.num_kv_heads, I = w.intermediate;
   auto x = x_in ? *x_in : rms_norm(h, w.norm1, w.eps1);
   auto qkv = linear_any(x, w.qkv_w, w.qkv_b, (Hq + 2 * Hkv) * D, w.bf16);
-  auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
-  c10::optional<torch::Tensor> m;
-  if (mask) m = mask->contiguous();
-  auto a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
+  torch::Tensor a;
+  if (slot_of_row) {
+    TORCH_CHECK(index_of_row && keys_of_row && !mask && B == 1 && !x_in,
+                "rows of several sequences: h [1, N, H], slot, index and keys of each row, no mask, no x_in");
+    auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, 0, Hq, Hkv, slot_of_row, index_of_row);
+    a = attention(q, k_buf, v_buf, c10::nullopt, slot_of_row, keys_of_row);
+  } else {
+    auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
+    c10::optional<torch::Tensor> m;
+    if (mask) m = mask->contiguous();
+    a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
+  }
   auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), w.o_w, w.o_b, H, w.bf16);
   h = h + o.view({B, T, H});
   x = rms_norm(h, w.norm2, w.eps2);
@@ -848,7 +862,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("bf16"));
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer on the kernels (bits of the Python path)",
         py::arg("h"), py::arg("x_in"), py::arg("weights"), py::arg("cos"), py::arg("sin"),
-        py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("mask"));
+        py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("mask"),
+        py::arg("slot_of_row") = py::none(), py::arg("index_of_row") = py::none(),
+        py::arg("keys_of_row") = py::none());
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");
   m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_buf"), py::arg("v_buf"), py::arg("start"),
