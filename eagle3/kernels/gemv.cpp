@@ -67,10 +67,14 @@ struct Fp32Ops {
 // MT rows of x against one 32-output block; depth = inputs (fp32) or input pairs (bf16)
 template <class Ops, int MT>
 void tile(const typename Ops::T* x, int64_t ldx, const typename Ops::T* w, int64_t depth, float* y,
-          int64_t ldy, const float* bias, int valid) {
+          int64_t ldy, const float* bias, int valid, const typename Ops::T* next) {
   __m512 a0[MT], a1[MT];
   for (int j = 0; j < MT; ++j) a0[j] = a1[j] = _mm512_setzero_ps();
   for (int64_t p = 0; p < depth; ++p) {
+    if (next) {   // the next block streams into L2 while this one computes (same offset there)
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * kBlock), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(next + p * kBlock + 16), _MM_HINT_T1);
+    }
     const typename Ops::V w0 = Ops::load(w + p * kBlock), w1 = Ops::load(w + p * kBlock + 16);
     for (int j = 0; j < MT; ++j) {
       const typename Ops::V xv = Ops::bcast(x[j * ldx + p]);
@@ -84,8 +88,9 @@ void tile(const typename Ops::T* x, int64_t ldx, const typename Ops::T* w, int64
 // tile<Bf16Ops, MT> compiled for AVX512-BF16: flatten inlines it and Bf16Ops into this function
 template <int MT>
 BF16 __attribute__((flatten)) void tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth,
-                                             float* y, int64_t ldy, const float* bias, int valid) {
-  tile<Bf16Ops, MT>(x, ldx, w, depth, y, ldy, bias, valid);
+                                             float* y, int64_t ldy, const float* bias, int valid,
+                                             const uint32_t* next) {
+  tile<Bf16Ops, MT>(x, ldx, w, depth, y, ldy, bias, valid, next);
 }
 
 template <typename T, typename F>
@@ -99,7 +104,8 @@ void run(const T* x, int64_t ldx, const T* w, int64_t depth, const float* bias, 
       const float* bb = bias ? bias + b * kBlock : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kMaxTile) {
         const int mt = (int)std::min<int64_t>(kMaxTile, M - m0);
-        tiles[mt - 1](x + m0 * ldx, ldx, wb, depth, y + m0 * O + b * kBlock, O, bb, valid);
+        const T* next = m0 == 0 && b + 1 < b1 ? wb + depth * kBlock : nullptr;   // first pass only
+        tiles[mt - 1](x + m0 * ldx, ldx, wb, depth, y + m0 * O + b * kBlock, O, bb, valid, next);
       }
     }
   });
@@ -122,8 +128,10 @@ void check(const torch::Tensor& x, const torch::Tensor& packed, const c10::optio
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == out_features, "bias must be fp32 [O]");
 }
 
-using TileBf16 = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, const float*, int);
-using TileFp32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, int);
+using TileBf16 = void (*)(const uint32_t*, int64_t, const uint32_t*, int64_t, float*, int64_t, const float*, int,
+                          const uint32_t*);
+using TileFp32 = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, const float*, int,
+                          const float*);
 const TileBf16 kTilesBf16[kMaxTile] = {tile_bf16<1>, tile_bf16<2>, tile_bf16<3>, tile_bf16<4>,
                                        tile_bf16<5>, tile_bf16<6>, tile_bf16<7>, tile_bf16<8>};
 const TileFp32 kTilesFp32[kMaxTile] = {tile<Fp32Ops, 1>, tile<Fp32Ops, 2>, tile<Fp32Ops, 3>, tile<Fp32Ops, 4>,
