@@ -73,6 +73,8 @@ def info_cmd(args: argparse.Namespace) -> int:
         rows.append(("--weights gguf (auto) linears" + ("" if kernels_on else ": all dequantised here"),
                      tensor_types(src.gguf, cfg.tie_word_embeddings)))
     rows.append(("CPU threads", describe()))
+    from .memory import describe as allocator
+    rows.append(("C allocator", allocator()))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

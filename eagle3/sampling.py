@@ -6,7 +6,7 @@ equals plain sampling from exactly this processed distribution (temperature, the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -86,17 +86,44 @@ def sample_next(logits: torch.Tensor, params: SamplingParams, gen: torch.Generat
     return sample_rows(probs.reshape(-1, probs.shape[-1]), gen).view(probs.shape[:-1])
 
 
-def sample_rows(weights: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def sample_each(logits: torch.Tensor, params: Sequence[SamplingParams],
+                gens: Sequence[torch.Generator]) -> list[int]:
+    """One token per row of [N, V] logits, row i with its own params and generator (the rows of
+    a batched decode step): the token sample_next gives row i alone, in one call per group of rows
+    that share temperature, top-k and top-p (each row is processed and summed on its own, so it
+    gets the same bits; each generator draws its one number as it would alone)."""
+    if logits.shape[0] != len(params) or len(params) != len(gens):
+        raise ValueError(f"{logits.shape[0]} rows, {len(params)} params, {len(gens)} generators")
+    out = [0] * len(params)
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(None if p.greedy else (p.temperature, p.top_k, p.top_p), []).append(i)
+    for key, rows in groups.items():
+        sub = logits[rows]
+        if key is None:
+            tokens = sub.argmax(dim=-1)
+        else:
+            tokens = sample_rows(target_probs(sub, params[rows[0]]), [gens[i] for i in rows])
+        for i, t in zip(rows, tokens.tolist()):
+            out[i] = t
+    return out
+
+
+def sample_rows(weights: torch.Tensor, gen: torch.Generator | Sequence[torch.Generator]) -> torch.Tensor:
     """One draw per row of non-negative weights [T, V] -> [T], by inverse CDF in fp64 (torch's
     multinomial takes ~1.8 ms per 49k-wide row on a CPU core here; this ~0.15 ms). Zero weights
-    are never drawn: a u * total that rounds up to the total maps to the last nonzero weight."""
+    are never drawn: a u * total that rounds up to the total maps to the last nonzero weight.
+    gen: one generator for every row, or one per row (each draws one number)."""
     cdf = weights.double().cumsum(dim=-1)                             # [T, V]
     total = cdf[:, -1:].contiguous()
     if cdf.device.type == "cpu" and not bool((torch.isfinite(total) & (total > 0)).all()):
         # (checked on the CPU only: on CUDA it would be a host sync per draw)
         raise RuntimeError("sampling weights have no finite positive mass in some row (NaN or inf "
                            "logits, or every token filtered out)")
-    u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype)
+    if isinstance(gen, torch.Generator):
+        u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device, dtype=cdf.dtype)
+    else:
+        u = torch.cat([torch.rand(1, 1, generator=g, device=cdf.device, dtype=cdf.dtype) for g in gen])
     idx = torch.searchsorted(cdf, u * total, right=True)              # first cdf > u * total
     last = torch.searchsorted(cdf, total, right=False)                # first cdf == total
     return torch.minimum(idx, last).squeeze(1)

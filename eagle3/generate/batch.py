@@ -6,7 +6,9 @@ A step:  admit waiting requests into free slots (arrival order, up to max_batch 
          prefilling, prefill_chunk prompt tokens at most per step (a long prompt is spread over
          several steps, so the decoding requests keep getting a token every step)
       -> one forward -> per request whose block ended its prompt or decoded: sample with its own
-         SamplingParams and generator -> eos / stop strings / max tokens as Engine.run -> Chunk
+         SamplingParams and generator (sampling.sample_each: one call per group of rows with the
+         same settings, each row's token as alone) -> eos / stop strings / max tokens as
+         Engine.run -> Chunk
       -> a finished request frees its slot before the next step; cancel() frees one at once.
 
 Each request's output equals its Engine output alone (greedy and seeded sampling) where the layout
@@ -35,7 +37,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..errors import InputError
-from ..sampling import SamplingParams, sample_next
+from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
 from .engine import check_length, take_tokens
 from .text import TextStream
@@ -166,11 +168,15 @@ class BatchScheduler:
         logits = self.target.forward_rows(torch.tensor([t for _, ids, _ in blocks for t in ids]),
                                           rows, self.cache)
         step_s = time.perf_counter() - t0
-        emitted = []
-        for (req, ids, decodes), row in zip(blocks, logits):
+        ready = []                                # the blocks whose logits give a next token
+        for i, (req, ids, decodes) in enumerate(blocks):
             req.fed += len(ids)
             if decodes or (not req.prefilling and not req.out_ids):
-                emitted.append(Emitted(req, self._emit(req, row, step_s)))
+                ready.append((i, req))
+        tokens = sample_each(logits[[i for i, _ in ready]], [r.params for _, r in ready],
+                             [r.gen for _, r in ready]) if ready else []
+        emitted = [Emitted(req, self._emit_step(req, Step([token], 0, verify_s=step_s)))
+                   for (_, req), token in zip(ready, tokens)]
         for req in [r for r in self.running if r.done]:
             self._retire(req)
         return emitted
@@ -227,11 +233,6 @@ class BatchScheduler:
                 blocks.append((r, ids, False))
                 budget -= len(ids)
         return blocks
-
-    def _emit(self, req: BatchRequest, logits: torch.Tensor, step_s: float) -> Chunk:
-        """Sample the request's next token and apply its stop conditions (as Engine.run)."""
-        token = int(sample_next(logits, req.params, req.gen))
-        return self._emit_step(req, Step([token], 0, verify_s=step_s))
 
     def _emit_step(self, req: BatchRequest, step: Step) -> Chunk:
         """Take a step's tokens up to a stop id or max tokens (as Engine.run), then stop strings."""
