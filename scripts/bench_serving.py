@@ -3,7 +3,7 @@ streaming clients (issues #18, #21).
 
     python scripts/bench_serving.py [--model M] [--weights bf16|fp32|gguf|auto] [--max-batch 1,8]
         [--systems ours,ours-eagle3,vllm,vllm-eagle3] [--clients 1,4,16] [--tokens 128]
-        [--temperatures 0,1] [--prompts 32] [--out DIR] [--url http://host:port]
+        [--temperatures 0,1] [--prompts 32] [--rounds 1] [--out DIR] [--url http://host:port]
         [--vllm-python PY] [--vllm-eager] [--chain-depth 3]
 
 Systems, each a server in a child process: `ours` = `eagle3 serve --draft none --max-batch B` for
@@ -80,6 +80,8 @@ class Result:
     vs_batch1: Optional[float] = None        # over ours --max-batch 1, same clients and temperature
     system: str = "ours"                     # SYSTEMS, or "url"
     vs_one_client: Optional[float] = None    # over the same server with one client, same temperature
+                                             # and round
+    round: int = 0                           # --rounds: which pass over the cells
 
 
 # ---------------------------------------------------------------------------- one request
@@ -139,27 +141,46 @@ def percentile(xs: list[float], q: float) -> float:
 
 
 def summarize(timings: list[RequestTiming], wall: float, max_batch: Optional[int], clients: int,
-              temperature: float, system: str = "ours") -> Result:
+              temperature: float, system: str = "ours", rnd: int = 0) -> Result:
     tokens = sum(t.tokens for t in timings)
     ttft = [t.ttft_s * 1000 for t in timings]
     gaps = [g * 1000 for t in timings for g in t.gaps_s]
     return Result(max_batch, clients, temperature, len(timings), tokens, round(wall, 3),
                   round(tokens / wall, 2), round(percentile(ttft, 50), 1), round(percentile(ttft, 99), 1),
                   round(percentile(gaps, 50), 1), round(percentile(gaps, 99), 1),
-                  round(statistics.median(t.e2e_s for t in timings), 3), system=system)
+                  round(statistics.median(t.e2e_s for t in timings), 3), system=system, round=rnd)
 
 
 def with_baseline(results: list[Result]) -> list[Result]:
     """tokens/s over ours --max-batch 1 at the same clients and temperature, and over the same
-    server (system and max_batch) with one client at the same temperature, where they ran."""
-    base = {(r.clients, r.temperature): r.tokens_per_s for r in results
+    server (system and max_batch) with one client at the same temperature, where they ran; both
+    within the same round."""
+    base = {(r.clients, r.temperature, r.round): r.tokens_per_s for r in results
             if r.system == "ours" and r.max_batch == 1}
-    one = {(r.system, r.max_batch, r.temperature): r.tokens_per_s for r in results if r.clients == 1}
+    one = {(r.system, r.max_batch, r.temperature, r.round): r.tokens_per_s for r in results if r.clients == 1}
     out = []
     for r in results:
-        b, o = base.get((r.clients, r.temperature)), one.get((r.system, r.max_batch, r.temperature))
+        b = base.get((r.clients, r.temperature, r.round))
+        o = one.get((r.system, r.max_batch, r.temperature, r.round))
         out.append(Result(**{**asdict(r), "vs_batch1": round(r.tokens_per_s / b, 2) if b else None,
                              "vs_one_client": round(r.tokens_per_s / o, 2) if o else None}))
+    return out
+
+
+def medians(results: list[Result]) -> list[Result]:
+    """One row per cell (system, max_batch, clients, temperature): the median over rounds of each
+    figure (the ratios are medians of each round's own ratio)."""
+    cells: dict[tuple, list[Result]] = {}
+    for r in results:
+        cells.setdefault((r.system, r.max_batch, r.clients, r.temperature), []).append(r)
+    out = []
+    for rs in cells.values():
+        mid = {k: statistics.median(getattr(r, k) for r in rs)
+               for k in ("wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
+                         "itl_p99_ms", "e2e_p50_s")}
+        ratio = {k: (statistics.median(getattr(r, k) for r in rs) if getattr(rs[0], k) is not None else None)
+                 for k in ("vs_batch1", "vs_one_client")}
+        out.append(Result(**{**asdict(rs[0]), **mid, **ratio, "round": -1}))
     return out
 
 
@@ -307,12 +328,13 @@ def bench_servers(args, servers: list[tuple[str, Optional[int], str]], prompts: 
     for _, _, url in servers:
         warm_up(args, url, prompts)
     results = []
-    for temp in args.temperatures:
-        for clients in args.clients:
-            for system, max_batch, url in servers:
-                timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
-                results.append(summarize(timings, wall, max_batch, clients, temp, system))
-                print(table(results[-1:]).splitlines()[-1], flush=True)
+    for rnd in range(args.rounds):
+        for temp in args.temperatures:
+            for clients in args.clients:
+                for system, max_batch, url in servers:
+                    timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
+                    results.append(summarize(timings, wall, max_batch, clients, temp, system, rnd))
+                    print(table(results[-1:]).splitlines()[-1], flush=True)
     return results
 
 
@@ -335,6 +357,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
     p.add_argument("--prompts", type=int, default=32, help="MT-bench questions per run")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="passes over every cell (the machine's speed drifts: each ratio is taken "
+                        "within a round, and the summary is the median over rounds)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--url", default=None, help="bench this running server instead (model name "
                                                f"'{MODEL_NAME}' or any it accepts)")
@@ -394,13 +419,16 @@ def main(argv=None) -> int:
         finally:
             stop_server(proc)
     results = with_baseline(results)
+    summary = medians(results) if args.rounds > 1 else results
     print(f"\n{len(prompts)} MT-bench prompts x {args.tokens} tokens, {args.weights} weights, "
-          f"{os.cpu_count()} CPUs\n" + table(results))
+          f"{os.cpu_count()} CPUs" + (f", median of {args.rounds} rounds" if args.rounds > 1 else "")
+          + "\n" + table(summary))
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     (args.out / "serving.json").write_text(json.dumps(
-        {"meta": meta, "skipped": skipped, "results": [asdict(r) for r in results]}, indent=1) + "\n")
-    plot = save_plot(results, args.out / "serving.png")
+        {"meta": meta, "skipped": skipped, "results": [asdict(r) for r in results],
+         "medians": [asdict(r) for r in summary]}, indent=1) + "\n")
+    plot = save_plot(summary, args.out / "serving.png")
     print(f"saved {args.out / 'serving.json'} and {plot}")
     return 0
 

@@ -573,6 +573,14 @@ def test_serving_bench_measures_streamed_requests(served_target):
     assert bench.with_baseline([base, r])[1].vs_batch1 == 2.0
     assert bench.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert bench.percentile([float(i) for i in range(1, 101)], 99) == 99.0
+    # --rounds: each ratio within its round (a drifting machine), the summary the median of those
+    rows = [bench.Result(**{**bench.asdict(r), "max_batch": 16, "clients": c, "tokens_per_s": tps,
+                            "round": rnd})
+            for rnd, (one, sixteen) in enumerate([(50.0, 300.0), (60.0, 300.0), (70.0, 420.0)])
+            for c, tps in ((1, one), (16, sixteen))]
+    summary = {m.clients: m for m in bench.medians(bench.with_baseline(rows))}
+    assert summary[16].vs_one_client == 6.0 and summary[16].tokens_per_s == 300.0   # 6, 5, 6 -> 6
+    assert summary[1].tokens_per_s == 60.0 and summary[1].round == -1
 
 
 def asyncio_run(coro):
