@@ -171,3 +171,28 @@ def test_suffix_only_blocks_fit_the_caches_the_shapes_size():
     assert AdaptivePolicy((TREE,), TABLE, suffix_only_tokens=0).arms(suffix_ready=True) == [TREE, PLAIN]
     with pytest.raises(InputError, match="suffix_only_tokens"):
         AdaptivePolicy((CHAIN,), TABLE, suffix_only_tokens=8)      # 9 rows; chain3 verifies 4
+
+
+def test_a_rebuilt_kernel_is_costed_anew(monkeypatch):
+    """The cost key covers the kernels' build (a changed source measures again) where the layout
+    runs them, and only there."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from spec_helpers import tiny_target
+    from eagle3 import kernels
+    from eagle3.runtime.backend import choose_backend
+    from eagle3.runtime.costs import cost_key
+    from eagle3.runtime.target import build_target
+    target = build_target(tiny_target(layers=2), backend=choose_backend("cpu", __import__("torch").float32, True))
+    if target.backend.kernels is None:
+        pytest.skip("no eagle3 kernels on this CPU")
+    before = cost_key(target, None)
+    state = kernels.state()
+    monkeypatch.setattr(kernels, "_STATE", state._replace(build_dir=Path("/x/another-build")))
+    assert cost_key(target, None) != before
+    from dataclasses import replace
+    plain = build_target(tiny_target(layers=2), backend=replace(target.backend, kernels=None))
+    key = cost_key(plain, None)
+    monkeypatch.setattr(kernels, "_STATE", state)
+    assert cost_key(plain, None) == key

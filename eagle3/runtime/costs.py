@@ -4,8 +4,8 @@ The adaptive step (speculative.policy) predicts a step's cost from this table ra
 step's own wall time, which is noisy on a shared CPU. Measured at the context the decoder runs at
 (~200 cached tokens), median of `reps` forwards; cached per machine and model under
 <cache_root>/costs/<key>.json, where the key covers the CPU model, the thread count, the layout's
-backend and weight dtype, and the model's shape. `remeasure=True` (or EAGLE3_REMEASURE=1) measures
-again.
+backend and weight dtype, the kernels' build (sources and flags), and the model's shape.
+`remeasure=True` (or EAGLE3_REMEASURE=1) measures again.
 
     rows      1     2     4     8     12    16    24    32
     target    ms of one target forward appending `rows` tokens (a verify block of that many nodes)
@@ -119,6 +119,13 @@ def cpu_name() -> str:
     return platform.processor() or "unknown"
 
 
+def kernel_build_id() -> str:
+    """The eagle3 kernels' build (its directory is named by the hash of sources and flags)."""
+    from .. import kernels
+    build_dir = kernels.state().build_dir
+    return f"kernels:{build_dir.name if build_dir is not None else 'none'}"
+
+
 def cost_key(target, draft) -> str:
     backend = getattr(target, "backend", None)
     cfg = target.config
@@ -126,6 +133,8 @@ def cost_key(target, draft) -> str:
              getattr(backend, "name", "reference"), str(getattr(backend, "weight_dtype", "")),
              str(getattr(backend, "row_stable", "")), getattr(target, "weights_name", ""),
              f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"]
+    if getattr(backend, "kernels", None) is not None:      # a changed kernel source costs anew
+        parts.append(kernel_build_id())
     if draft is not None:
         dcfg = draft.config
         parts.append(f"draft:{dcfg.hidden_size}:{dcfg.draft_vocab_size}:"
