@@ -49,6 +49,24 @@ def test_slot_cache_frees_a_slot_at_once_and_names_misuse():
         cache.plan([(b, 1)])
 
 
+def test_a_slot_loads_a_one_sequence_cache_and_names_misuse():
+    from eagle3.models.kv_cache import KVCache
+    one = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=6)
+    one.k.normal_(), one.v.normal_()
+    one.length = 5
+    cache = SlotCache(num_layers=2, num_kv_heads=1, head_dim=2, max_len=8, slots=2)
+    a, b = cache.allocate(), cache.allocate()
+    cache.load(b, one, 4)
+    assert cache.lengths == [0, 4] and torch.equal(cache.k[:, b, :, :4], one.k[:, 0, :, :4])
+    assert torch.equal(cache.v[:, b, :, :4], one.v[:, 0, :, :4]) and not cache.k[:, a].any()
+    with pytest.raises(InputError, match="holds 4 tokens"):
+        cache.load(b, one, 4)
+    with pytest.raises(InputError, match="up to the 5 cached tokens"):
+        cache.load(a, one, 6)
+    with pytest.raises(InputError, match="does not match"):
+        cache.load(a, KVCache(num_layers=2, num_kv_heads=2, head_dim=2, max_len=6), 0)
+
+
 # ---------------------------------------------------------------------------- the batched forward
 LAYOUTS = {  # name -> (weight dtype, row-stable, backend switches, bit for bit)
     "fp32": (torch.float32, False, {}, False),
@@ -492,14 +510,18 @@ def test_a_greedy_request_alone_decodes_speculatively(solo_engines, one_thread):
     assert sched.cache.num_free == 3
 
 
-def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engines, one_thread):
+@pytest.mark.parametrize("join", ["copy", "refill"])
+def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engines, one_thread, join):
     """Three speculative steps alone, then two requests arrive (one greedy, one seeded sampling):
-    the first leaves the solo engine, its prompt and output so far are prefilled into its slot in
-    chunks (nothing emitted meanwhile), then it decodes plainly with the others. Every output equals
-    plain decoding alone; the sampled request never went solo."""
+    the first leaves the solo engine and its slot takes the solo cache's k/v of its prompt and
+    output so far (copy: it decodes in that same step), or, where the copy does not apply, they are
+    prefilled into its slot in chunks (refill: nothing emitted meanwhile); then it decodes plainly
+    with the others. Every output equals plain decoding alone; the sampled request never went solo."""
     from eagle3.generate import SamplingParams
     plain, spec = solo_engines
     sched = scheduler(spec, max_batch=3, prefill_chunk=8)
+    if join == "refill":
+        sched._can_copy = lambda req: False
     first = sched.add(SOLO_PROMPTS[0], SamplingParams(max_new_tokens=SOLO_NEW, ignore_eos=True))
     chunks: dict = {}
     for _ in range(4):                                    # the prefill, then 3 solo steps
@@ -510,14 +532,19 @@ def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engine
     assert done_alone > 4                                 # speculation gave more than a token a step
     others = [sched.add(SOLO_PROMPTS[1], SamplingParams(max_new_tokens=10)),
               sched.add(SOLO_PROMPTS[2], SamplingParams(temperature=1.0, seed=5, max_new_tokens=12))]
-    emitted = {e.request.id for e in sched.step()}
-    assert first.decoder is None and first.id not in emitted and first.fed == 8     # its first chunk
     refill = len(SOLO_PROMPTS[0]) + done_alone - 1          # prompt + output but the last token
-    while first.prefilling:
-        assert len(first.out_ids) == done_alone           # nothing emitted while it refills
-        for e in sched.step():
-            chunks.setdefault(e.request.id, []).append(e.chunk)
-    assert first.fed == refill
+    for e in sched.step():
+        chunks.setdefault(e.request.id, []).append(e.chunk)
+    assert first.decoder is None
+    if join == "copy":
+        assert first.fed == refill + 1 and len(first.out_ids) == done_alone + 1   # decoded at once
+    else:
+        assert first.fed == 8 and len(first.out_ids) == done_alone            # its first chunk
+        while first.prefilling:
+            assert len(first.out_ids) == done_alone       # nothing emitted while it refills
+            for e in sched.step():
+                chunks.setdefault(e.request.id, []).append(e.chunk)
+        assert first.fed == refill
     for rid, cs in drain(sched).items():
         chunks.setdefault(rid, []).extend(cs)
     for req in [first] + others:
@@ -652,3 +679,44 @@ def test_a_batch_of_several_sequences_takes_the_one_call_layer():
         outs.append(target.forward_rows(torch.tensor([7, 8]), cache.plan([(a, 1), (b, 1)]), cache))
     assert len(seen) == 4 and all(s is not None for s in seen)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_batch_steps_chunks_wake_the_event_loop_once(served_target):
+    """The engine thread hands a step's chunks for every running request to the event loop in one
+    call (not one per chunk: ~500 cross-thread wake-ups a second at 16 clients); each job still
+    gets its own chunks in order, then END."""
+    import asyncio
+
+    from eagle3.generate import Engine, SamplingParams
+    from eagle3.serve.queue import END, BatchWorker, Job
+    from serve_fixtures import tokenizer
+
+    class CountingLoop:         # the running loop, counting the engine thread's hand-overs
+        def __init__(self, loop):
+            self.loop, self.calls = loop, 0
+
+        def call_soon_threadsafe(self, *args):
+            self.calls += 1
+            return self.loop.call_soon_threadsafe(*args)
+
+    async def scenario():
+        worker = BatchWorker(Engine(served_target, tokenizer(), max_model_len=CTX), 8, 4)
+        loop = CountingLoop(asyncio.get_running_loop())
+        jobs = [Job([5 + i, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True), loop)
+                for i in range(4)]
+        with worker._wake:        # all four admitted together, before the engine thread runs
+            worker.pending.extend(jobs)
+        await worker.start()
+        got = []
+        for job in jobs:
+            items = [await job.out.get()]
+            while items[-1] is not END:
+                items.append(await job.out.get())
+            got.append(items)
+        await worker.stop()
+        return got, loop.calls
+
+    got, calls = asyncio.run(scenario())
+    assert all(len(items) == 7 and all(len(c.token_ids) == 1 for c in items[:-1]) for items in got)
+    assert all(items[-2].finish_reason == "length" for items in got)
+    assert calls <= 7, calls          # 6 steps (the last one also ends the jobs); per chunk: 28

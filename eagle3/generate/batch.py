@@ -19,10 +19,10 @@ be its verify tree: SlotRows already lets blocks differ in rows).
 Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that
 is admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches
 (its SpecDecoder and adaptive policy: the single-stream speed of a speculative server). When
-another request arrives it is preempted after its current step and joins the batch: its prompt and
-output so far are prefilled into its slot in chunks like a prompt (recomputed, as vLLM recomputes
-a preempted sequence), without emitting, and it decodes plainly with the others from its last
-token on. A greedy output is the same either way (speculation is lossless, the layout row-stable);
+another request arrives it is preempted after its current step and joins the batch: its slot takes
+the solo cache's k/v of its prompt and output so far (a copy, no forward; on a layout that is not
+row-stable they are prefilled into the slot in chunks, without emitting), and it decodes plainly
+with the others from its last token on. A greedy output is the same either way (speculation is lossless, the layout row-stable);
 sampled requests never go solo, so a seeded output never depends on the load. One request decodes
 alone on the solo engine at most; the batch never waits for speculation.
 """
@@ -207,13 +207,25 @@ class BatchScheduler:
         return [Emitted(req, chunk)]
 
     def _end_solo(self, req: BatchRequest) -> None:
-        """Leave the solo engine. Its slot holds nothing of the request (fed is still 0), so its
-        prompt and output so far are prefilled there from the start (chunked, not emitted)."""
+        """Leave the solo engine. Its slot takes the solo cache's k/v of the prompt and output so
+        far (what a prefill of them would write, bit for bit on a row-stable layout: the verify
+        forwards computed each kept row as one-token decoding does); where that cache does not
+        hold exactly those tokens, they are prefilled into the slot (chunked, not emitted)."""
         if req.decoder is None:
             return
+        if self._can_copy(req):
+            self.cache.load(req.slot, req.decoder.cache, req.context_len)
+            req.fed = req.context_len
         req.decoder = None
         if self.solo.governor is not None:
             self.solo.governor.restore()
+
+    def _can_copy(self, req: BatchRequest) -> bool:
+        """The solo cache holds exactly the tokens the slot needs, computed as the batch would."""
+        cache = getattr(req.decoder, "cache", None)
+        return (not req.done and req.slot is not None and req.fed == 0 and cache is not None
+                and cache.length == req.context_len
+                and getattr(getattr(self.target, "backend", None), "row_stable", False))
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

@@ -168,6 +168,24 @@ class SlotCache:
             first += rows
         return rows_of_blocks(placed, self.k.device)
 
+    def load(self, slot: int, cache: KVCache, length: int) -> None:
+        """Slot `slot` (empty) takes the first `length` tokens of a one-sequence cache, its k/v
+        copied as they are: a sequence that decoded elsewhere joins the batch without a prefill."""
+        self._check_in_use(slot)
+        if self.lengths[slot] != 0:
+            raise InputError(f"KV cache slot {slot} holds {self.lengths[slot]} tokens; load into an "
+                             "empty slot")
+        if cache.batch != 1 or not 0 <= length <= cache.length:
+            raise InputError(f"load takes up to the {cache.length} cached tokens of a one-sequence "
+                             f"cache (batch {cache.batch}), got length {length}")
+        check_room(0, length, self.max_len)
+        if cache.k.shape[2:3] + cache.k.shape[4:] != self.k.shape[2:3] + self.k.shape[4:] or cache.k.dtype != self.k.dtype:
+            raise InputError(f"cache layout {tuple(cache.k.shape)} {cache.k.dtype} does not match the "
+                             f"slots' {tuple(self.k.shape)} {self.k.dtype}")
+        self.k[:, slot, :, :length] = cache.k[:, 0, :, :length]
+        self.v[:, slot, :, :length] = cache.v[:, 0, :, :length]
+        self.lengths[slot] = length
+
     def commit(self, rows: SlotRows) -> None:
         """The forward over `rows` has written its blocks: each slot's length moves past them."""
         for b in rows.blocks:

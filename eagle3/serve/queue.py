@@ -52,6 +52,35 @@ class Job:
         self.cancelled.set()
 
 
+def _put_all(items: list[tuple[Job, object]]) -> None:
+    for job, item in items:
+        job.out.put_nowait(item)
+
+
+class Outbox:
+    """Items for several jobs handed to their event loop in one wake-up: a batch step's chunks
+    (16 streams at ~30 tokens/s each were ~500 cross-thread wake-ups a second, each a context
+    switch on the cores the forward uses)."""
+
+    def __init__(self):
+        self.items: list[tuple[Job, object]] = []
+
+    def add(self, job: Job, item: object) -> None:
+        self.items.append((job, item))
+
+    def flush(self) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for job, item in self.items:
+            by_loop.setdefault(job.loop, []).append((job, item))
+        self.items = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:       # the loop has closed: nobody reads these jobs any more
+                for job, _ in items:
+                    job.cancelled.set()
+
+
 class EngineWorker:
     def __init__(self, engine, max_queue: int, after_job: Optional[Callable[[], None]] = None,
                  on_decode_step: Optional[Callable[[Step], None]] = None):
@@ -178,6 +207,7 @@ class BatchWorker:
         self._wake = threading.Condition()
         self._stopping = False
         self._thread: Optional[threading.Thread] = None
+        self.outbox = Outbox()                      # engine thread only: a step's deliveries
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -234,6 +264,7 @@ class BatchWorker:
                 continue
             for request, chunk in emitted:
                 self._deliver(request, chunk)
+            self.outbox.flush()                     # the step's chunks: one wake-up of the loop
 
     def _next_jobs(self) -> bool:
         """Wait for work; admit pending jobs into free slots. False once stopping."""
@@ -262,19 +293,21 @@ class BatchWorker:
             if self.jobs[request.id].cancelled.is_set():
                 self.scheduler.cancel(request)
                 self._finish(request)
+        self.outbox.flush()
 
     def _deliver(self, request, chunk: Chunk) -> None:
         if len(request.steps) > 1 and self.on_decode_step is not None:   # steps[0]: the prefill
             self.on_decode_step(chunk.step)
-        self.jobs[request.id].push(chunk)
+        self.outbox.add(self.jobs[request.id], chunk)
         if request.done:
             self._finish(request)
 
     def _fail_running(self, e: Exception) -> None:
         for request in list(self.scheduler.running):
-            self.jobs[request.id].push(e)
+            self.outbox.add(self.jobs[request.id], e)
             self.scheduler.cancel(request)
             self._finish(request)
+        self.outbox.flush()
 
     def _finish(self, request) -> None:
         job = self.jobs.pop(request.id)
@@ -284,4 +317,4 @@ class BatchWorker:
                 self.after_job()
             except Exception:
                 log.exception("after-job hook failed")
-        job.push(END)
+        self.outbox.add(job, END)
