@@ -59,11 +59,11 @@ def test_a_slot_loads_a_one_sequence_cache_and_names_misuse():
     cache.load(b, one, 4)
     assert cache.lengths == [0, 4] and torch.equal(cache.k[:, b, :, :4], one.k[:, 0, :, :4])
     assert torch.equal(cache.v[:, b, :, :4], one.v[:, 0, :, :4]) and not cache.k[:, a].any()
-    with pytest.raises(InputError, match="holds 4 tokens"):
+    with pytest.raises(InputError, match="holds 4 tokens; write"):
         cache.load(b, one, 4)
     with pytest.raises(InputError, match="up to the 5 cached tokens"):
         cache.load(a, one, 6)
-    with pytest.raises(InputError, match="does not match"):
+    with pytest.raises(InputError, match="do not match the slots. layout"):
         cache.load(a, KVCache(num_layers=2, num_kv_heads=2, head_dim=2, max_len=6), 0)
 
 
@@ -249,6 +249,41 @@ def test_each_request_in_a_batch_equals_its_output_alone(alone, one_thread):
     for req in reqs:
         check_equals_alone(alone, req, chunks[req.id])
     assert chunks[reqs[3].id][-1].finish_reason == "stop"
+
+
+def test_a_prompt_that_starts_like_an_earlier_one_prefills_only_the_rest(alone, one_thread):
+    """The prefix cache: a later prompt sharing 20 tokens with an earlier one takes their k/v by
+    copy and prefills the rest (its first forward has only those rows); one that shares fewer than
+    PREFIX_MIN tokens, or the whole prompt but its last token, is handled as its own. Every output
+    equals the request alone (greedy and seeded sampling). The budget drops the oldest prompts."""
+    from eagle3.generate import SamplingParams
+    from eagle3.generate.batch import PREFIX_MIN
+    shared = prompt(20, seed=40)
+    first_prompt = shared + prompt(9, seed=41)
+    sched = scheduler(alone, max_batch=3, prefill_chunk=64, prefix_cache_tokens=64)
+    first = sched.add(first_prompt, SamplingParams(max_new_tokens=5))
+    chunks = drain(sched)
+    assert first.cached_tokens == 0 and len(sched.prefixes.entries) == 1
+    later = [sched.add(shared + prompt(6, seed=42), SamplingParams(max_new_tokens=7)),
+             sched.add(shared + prompt(4, seed=43), SamplingParams(temperature=1.0, seed=3, max_new_tokens=7)),
+             sched.add(shared[:PREFIX_MIN - 1] + prompt(5, seed=44), SamplingParams(max_new_tokens=4))]
+    rows = []
+    real = sched.target.forward_rows
+    sched.target.forward_rows = lambda ids, plan, cache: (rows.append(int(ids.numel())), real(ids, plan, cache))[1]
+    try:
+        chunks.update(drain(sched))
+    finally:
+        del sched.target.forward_rows
+    assert [r.cached_tokens for r in later] == [20, 20, 0]
+    assert rows[0] == 6 + 4 + PREFIX_MIN - 1 + 5          # the first forward: only the new tokens
+    for req in [first] + later:
+        check_equals_alone(alone, req, chunks[req.id])
+    # 29 + 26 + 24 (+ 12) tokens stored > 64: the oldest prompt went
+    assert sched.prefixes.tokens <= 64 and tuple(first_prompt) not in sched.prefixes.entries
+    again = sched.add(list(later[1].prompt_ids), SamplingParams(max_new_tokens=3))  # a repeat
+    chunks.update(drain(sched))
+    assert again.cached_tokens == len(later[1].prompt_ids) - 1          # all but its last token
+    check_equals_alone(alone, again, chunks[again.id])
 
 
 def test_cancel_mid_batch_frees_the_slot_at_once(alone, one_thread):

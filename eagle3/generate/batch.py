@@ -13,6 +13,9 @@ A step:  admit waiting requests into free slots (arrival order, up to max_batch 
 
 Each request's output equals its Engine output alone (greedy and seeded sampling) where the layout
 is row-stable (bf16 as load_engine builds it): every row of a forward gets the bits it gets alone.
+On such a layout a prompt that starts like a recent one (the chat template's system prompt, a
+conversation's earlier turns) takes those tokens' k/v from the prefix cache (PrefixStore, a copy
+into its slot) and prefills only the rest.
 Bookkeeping is plain Python; speculation inside the batch is not done yet (a request's block would
 be its verify tree: SlotRows already lets blocks differ in rows).
 
@@ -37,6 +40,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..errors import InputError
+from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
 from .engine import check_length, take_tokens
@@ -45,6 +49,8 @@ from .types import Chunk, GenerationResult
 
 DEFAULT_MAX_BATCH = 8       # an 8-row forward costs ~1.35x a one-row forward here (bf16 kernels)
 PREFILL_CHUNK = 64          # prompt tokens per step, over all prefilling requests
+PREFIX_CACHE_TOKENS = 4096  # prompt tokens whose k/v are kept for later prompts (0: off)
+PREFIX_MIN = 8              # shorter shared prefixes are prefilled (a copy saves too little)
 
 
 @dataclass(eq=False)
@@ -61,6 +67,8 @@ class BatchRequest:
     fed: int = 0                    # tokens (prompt, then output) whose k/v are in the slot
     decoder: Optional[object] = None    # its SpecDecoder while it decodes alone (solo)
     solo_steps: int = 0             # decode steps it ran speculatively alone
+    cached_tokens: int = 0          # prompt tokens whose k/v came from the prefix cache
+    prefix_seen: bool = False       # looked up in / added to the prefix cache
     out_ids: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     ttft_s: float = 0.0
@@ -94,9 +102,12 @@ class Emitted(NamedTuple):
 
 class BatchScheduler:
     def __init__(self, target, tokenizer, eos_ids: set[int], max_batch: int = DEFAULT_MAX_BATCH,
-                 max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None):
+                 max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
         """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
-        solo: an Engine with a draft on this target, for a greedy request that runs alone."""
+        solo: an Engine with a draft on this target, for a greedy request that runs alone.
+        prefix_cache_tokens: the prefix cache's budget (models.kv_cache.PrefixStore; on a
+        row-stable layout only, where a copied row equals a prefilled one bit for bit; 0: off)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise InputError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be "
                              ">= 1")
@@ -109,17 +120,20 @@ class BatchScheduler:
             raise InputError("the solo engine must be speculative (a draft) on the batch's own target")
         self.solo = solo
         self.cache = target.new_slot_cache(max_model_len, max_batch)
+        stable = getattr(getattr(target, "backend", None), "row_stable", False)
+        self.prefixes = PrefixStore(prefix_cache_tokens) if stable and prefix_cache_tokens else None
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []          # admission order
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH,
-                    prefill_chunk: int = PREFILL_CHUNK) -> "BatchScheduler":
+    def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
+                    prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> "BatchScheduler":
         """A scheduler over an Engine's target, tokenizer, eos ids and context length; a speculative
         Engine also decodes a greedy request that runs alone (solo)."""
         return cls(engine.target, engine.tokenizer, engine.eos_ids, max_batch, engine.max_model_len,
-                   prefill_chunk, solo=engine if engine.speculative else None)
+                   prefill_chunk, solo=engine if engine.speculative else None,
+                   prefix_cache_tokens=prefix_cache_tokens)
 
     # ------------------------------------------------------------------ requests
     def add(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> BatchRequest:
@@ -171,6 +185,8 @@ class BatchScheduler:
         ready = []                                # the blocks whose logits give a next token
         for i, (req, ids, decodes) in enumerate(blocks):
             req.fed += len(ids)
+            if not decodes and self.prefixes is not None and not req.out_ids and not req.prefilling:
+                self.prefixes.store(self.cache, req.slot, req.prompt_ids)   # its prompt, for later
             if decodes or (not req.prefilling and not req.out_ids):
                 ready.append((i, req))
         tokens = sample_each(logits[[i for i, _ in ready]], [r.params for _, r in ready],
@@ -238,6 +254,11 @@ class BatchScheduler:
         the next token): decoders first, then prompt chunks in order (a request back from solo
         prefills its prompt and output so far the same way)."""
         blocks = [(r, [r.out_ids[-1]], True) for r in self.running if not r.prefilling]
+        for r in self.running:          # a fresh prompt starts from the longest cached prefix
+            if self.prefixes is not None and r.fed == 0 and not r.out_ids and not r.prefix_seen:
+                r.prefix_seen = True
+                r.fed = r.cached_tokens = self.prefixes.load(self.cache, r.slot, r.prompt_ids,
+                                                             len(r.prompt_ids) - 1, PREFIX_MIN)
         budget = self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:

@@ -9,7 +9,8 @@ block to [start, start+len(kept)) in order. Nothing is reallocated after constru
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections import OrderedDict
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -171,20 +172,33 @@ class SlotCache:
     def load(self, slot: int, cache: KVCache, length: int) -> None:
         """Slot `slot` (empty) takes the first `length` tokens of a one-sequence cache, its k/v
         copied as they are: a sequence that decoded elsewhere joins the batch without a prefill."""
-        self._check_in_use(slot)
-        if self.lengths[slot] != 0:
-            raise InputError(f"KV cache slot {slot} holds {self.lengths[slot]} tokens; load into an "
-                             "empty slot")
         if cache.batch != 1 or not 0 <= length <= cache.length:
             raise InputError(f"load takes up to the {cache.length} cached tokens of a one-sequence "
                              f"cache (batch {cache.batch}), got length {length}")
-        check_room(0, length, self.max_len)
-        if cache.k.shape[2:3] + cache.k.shape[4:] != self.k.shape[2:3] + self.k.shape[4:] or cache.k.dtype != self.k.dtype:
-            raise InputError(f"cache layout {tuple(cache.k.shape)} {cache.k.dtype} does not match the "
-                             f"slots' {tuple(self.k.shape)} {self.k.dtype}")
-        self.k[:, slot, :, :length] = cache.k[:, 0, :, :length]
-        self.v[:, slot, :, :length] = cache.v[:, 0, :, :length]
-        self.lengths[slot] = length
+        self.write(slot, cache.k[:, 0, :, :length], cache.v[:, 0, :, :length])
+
+    def write(self, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The empty `slot` takes rows k, v [num_layers, num_kv_heads, n, head_dim] as its first n."""
+        self._check_in_use(slot)
+        n = k.shape[2]
+        if self.lengths[slot] != 0:
+            raise InputError(f"KV cache slot {slot} holds {self.lengths[slot]} tokens; write into an "
+                             "empty slot")
+        want = (self.k.shape[0], self.k.shape[2], n, self.k.shape[4])
+        if tuple(k.shape) != want or k.shape != v.shape or k.dtype != self.k.dtype:
+            raise InputError(f"rows {tuple(k.shape)} {k.dtype} do not match the slots' layout "
+                             f"{want} {self.k.dtype}")
+        check_room(0, n, self.max_len)
+        self.k[:, slot, :, :n] = k
+        self.v[:, slot, :, :n] = v
+        self.lengths[slot] = n
+
+    def read(self, slot: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of the slot's first n rows of k and v [num_layers, num_kv_heads, n, head_dim]."""
+        self._check_in_use(slot)
+        if not 0 <= n <= self.lengths[slot]:
+            raise InputError(f"slot {slot} holds {self.lengths[slot]} tokens, asked for {n}")
+        return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
 
     def commit(self, rows: SlotRows) -> None:
         """The forward over `rows` has written its blocks: each slot's length moves past them."""
@@ -198,3 +212,61 @@ def rows_of_blocks(blocks: list[Block], device: torch.device | str = "cpu") -> S
     index = torch.cat([torch.arange(b.start, b.start + b.rows) for b in blocks])
     last = torch.tensor([b.first_row + b.rows - 1 for b in blocks], dtype=torch.long)
     return SlotRows(slot, index, index + 1, index.to(device), last, tuple(blocks))
+
+
+class PrefixStore:
+    """The k/v of recent prompts, for a new prompt that starts with the same tokens (a shared
+    system prompt, a chat's earlier turns): its slot takes those rows by copy instead of a prefill
+    (what vLLM's automatic prefix caching and SGLang's radix cache do). Only for a row-stable
+    layout, where a row's k/v depends on the tokens up to it and nothing else, so a copied row is
+    the row a prefill would write, bit for bit.
+
+    Entries: prompt tokens -> k, v [num_layers, num_kv_heads, n, head_dim], least recently used
+    dropped first once they hold more than `max_tokens` tokens. Matching is token by token (the
+    longest common prefix with any entry), linear in the entries' tokens.
+    """
+
+    def __init__(self, max_tokens: int):
+        if max_tokens < 0:
+            raise InputError(f"prefix cache tokens must be >= 0, got {max_tokens}")
+        self.max_tokens = max_tokens
+        self.entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.tokens = 0
+        self.hits = self.reused_tokens = 0
+
+    def match(self, tokens: list[int], limit: int) -> tuple[int, Optional[tuple]]:
+        """The longest prefix of `tokens` (at most `limit`) some entry holds: (length, key)."""
+        best, best_key = 0, None
+        for key in self.entries:
+            n, top = 0, min(len(key), limit)
+            while n < top and key[n] == tokens[n]:
+                n += 1
+            if n > best:
+                best, best_key = n, key
+        return best, best_key
+
+    def load(self, cache: "SlotCache", slot: int, tokens: list[int], limit: int, least: int = 1) -> int:
+        """Copy the longest stored prefix of `tokens` (at most `limit`, at least `least` tokens)
+        into the empty `slot`; the tokens copied (0: none)."""
+        n, key = self.match(tokens, limit)
+        if n < max(least, 1):
+            return 0
+        k, v = self.entries[key]
+        self.entries.move_to_end(key)
+        cache.write(slot, k[:, :, :n], v[:, :, :n])
+        self.hits += 1
+        self.reused_tokens += n
+        return n
+
+    def store(self, cache: "SlotCache", slot: int, tokens: list[int]) -> None:
+        """Keep the k/v of `tokens`, the first len(tokens) rows of `slot`, unless an entry already
+        holds them all (or they alone exceed the budget)."""
+        n = len(tokens)
+        if n == 0 or n > self.max_tokens or self.match(tokens, n)[0] == n:
+            return
+        k, v = cache.read(slot, n)
+        self.entries[tuple(tokens)] = (k, v)
+        self.tokens += n
+        while self.tokens > self.max_tokens:
+            old, _ = self.entries.popitem(last=False)
+            self.tokens -= len(old)
