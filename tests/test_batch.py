@@ -755,3 +755,26 @@ def test_a_batch_steps_chunks_wake_the_event_loop_once(served_target):
     assert all(len(items) == 7 and all(len(c.token_ids) == 1 for c in items[:-1]) for items in got)
     assert all(items[-2].finish_reason == "length" for items in got)
     assert calls <= 7, calls          # 6 steps (the last one also ends the jobs); per chunk: 28
+
+
+def test_the_server_reports_prompt_tokens_from_the_prefix_cache(served_target):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens and /metrics' prompt_tokens_cached: a
+    second prompt that repeats the first one's opening takes those tokens from the prefix cache;
+    with --prefix-cache-tokens 0 nothing is cached."""
+    import httpx
+
+    from eagle3.generate import Engine
+    from eagle3.serve import create_app
+    from serve_fixtures import RunningServer, tokenizer
+    opening = "Here is a long shared opening about rivers, mountains and the sea. " * 2
+    for budget, expect_cached in ((4096, True), (0, False)):
+        app = create_app(Engine(served_target, tokenizer(), max_model_len=CTX), model_name="tiny",
+                         max_batch=2, prefix_cache_tokens=budget)
+        with RunningServer(app) as s:
+            usage = [httpx.post(s.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": opening + end, "max_tokens": 3}).json()["usage"]
+                for end in ("Name one.", "Name two.")]
+            cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usage]
+            assert cached[0] == 0
+            assert (cached[1] >= 16) == expect_cached and (cached[1] == 0) != expect_cached
+            assert gauges(s.url)["eagle3:prompt_tokens_cached_total"] == cached[1]

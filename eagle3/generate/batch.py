@@ -282,7 +282,7 @@ class BatchScheduler:
         req.finish = finish
         delta += req.text.flush()
         result = GenerationResult(req.text.text, req.out_ids, len(req.prompt_ids), finish, req.steps,
-                                  time.perf_counter() - req.arrived, req.ttft_s)
+                                  time.perf_counter() - req.arrived, req.ttft_s, req.cached_tokens)
         return Chunk(delta, new, from_draft, finish, result, step)
 
     def _retire(self, req: BatchRequest) -> None:

@@ -26,6 +26,7 @@ class GenerationResult:
     steps: list[Step] = field(default_factory=list)   # steps[0] is the prefill
     wall_s: float = 0.0
     ttft_s: float = 0.0
+    cached_tokens: int = 0          # prompt tokens whose k/v came from the prefix cache
 
     @property
     def decode_steps(self) -> list[Step]:

@@ -38,7 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import Eagle3Error, InputError
 from ..generate import encode_prompt
-from ..generate.batch import PREFILL_CHUNK
+from ..generate.batch import PREFILL_CHUNK, PREFIX_CACHE_TOKENS
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
                        requested_max_tokens, sampling_params)
@@ -59,12 +59,14 @@ DEGRADED_HINT = (
 
 def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = None,
                max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
-               max_batch: int = 1) -> FastAPI:
+               max_batch: int = 1, prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> FastAPI:
     """An app serving `engine` (an eagle3.generate.Engine). Start it with its lifespan (uvicorn or
     `with TestClient(app)`): the lifespan starts and stops the engine worker. max_batch > 1 decodes
     up to that many requests together (continuous batching, serve.queue.BatchWorker); with a
-    speculative engine a greedy request that runs alone decodes speculatively (batch_mode)."""
-    server = Server(engine, model_name, api_key, max_queue, max_body_bytes, max_batch)
+    speculative engine a greedy request that runs alone decodes speculatively (batch_mode), and a
+    prompt that starts like a recent one reuses those tokens' k/v (prefix_cache_tokens, 0: off)."""
+    server = Server(engine, model_name, api_key, max_queue, max_body_bytes, max_batch,
+                    prefix_cache_tokens)
     app = FastAPI(title="eagle3", lifespan=server.lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
@@ -117,7 +119,8 @@ class Server:
     """Per-app state: the engine worker, metrics, auth, request validation and encoding."""
 
     def __init__(self, engine, model_name: str, api_key: Optional[str], max_queue: int,
-                 max_body_bytes: int, max_batch: int = 1):
+                 max_body_bytes: int, max_batch: int = 1,
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes = max_body_bytes
         self.tokenizer = copy.deepcopy(engine.tokenizer)   # the event loop's own (engine's is busy)
@@ -133,7 +136,8 @@ class Server:
         log.info("%s", self.mode)
         on_step = lambda step: self.metrics.observe_steps([step])     # noqa: E731
         if self.max_batch > 1:
-            self.worker = BatchWorker(engine, max_queue, self.max_batch, self.after_job, on_step)
+            self.worker = BatchWorker(engine, max_queue, self.max_batch, self.after_job, on_step,
+                                      prefix_cache_tokens)
         else:
             self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
                                        on_decode_step=on_step)

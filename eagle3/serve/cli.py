@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from ..cli_args import add_spec_args, spec_from_args
 from ..errors import Eagle3Error
-from ..generate.batch import DEFAULT_MAX_BATCH
+from ..generate.batch import DEFAULT_MAX_BATCH, PREFIX_CACHE_TOKENS
 from ..runtime.assets import DEFAULT_MODEL
 
 log = logging.getLogger("eagle3.serve")
@@ -37,6 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "forward on the bf16 kernels; each slot holds a max-model-len KV cache). "
                         "With a draft, a greedy request that runs alone decodes speculatively and "
                         "joins the batch when another arrives. 1: one sequence at a time")
+    p.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
+                   help="prompt tokens whose k/v are kept for later prompts that start the same way "
+                        f"(default {PREFIX_CACHE_TOKENS}; with --max-batch > 1 on a row-stable "
+                        "layout, the bf16 default; 0: off)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context length: prompt + max_tokens (default 2048)")
     p.add_argument("--device", default=None, help="cpu | cuda | ... (default: best available)")
@@ -49,8 +53,9 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse flags, load the engine, run uvicorn until interrupted. Returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.max_queue < 1 or args.max_model_len < 2 or args.max_batch < 1:
-        parser.error("--max-queue and --max-batch must be >= 1 and --max-model-len >= 2")
+    if args.max_queue < 1 or args.max_model_len < 2 or args.max_batch < 1 or args.prefix_cache_tokens < 0:
+        parser.error("--max-queue and --max-batch must be >= 1, --max-model-len >= 2 and "
+                     "--prefix-cache-tokens >= 0")
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     missing = missing_modules(SERVE_MODULES)
     if missing:             # checked before the model load, which can take minutes
@@ -74,7 +79,7 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it may use it", args.host)
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                     max_batch=args.max_batch)
+                     max_batch=args.max_batch, prefix_cache_tokens=args.prefix_cache_tokens)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

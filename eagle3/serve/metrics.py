@@ -7,6 +7,7 @@
 | eagle3:requests_cancelled_total | counter | generations stopped because the client went away |
 | eagle3:requests_body_disconnected_total | counter | clients gone before sending the whole body (499) |
 | eagle3:prompt_tokens_total, eagle3:generation_tokens_total | counter | tokens in / out |
+| eagle3:prompt_tokens_cached_total | counter | prompt tokens taken from the prefix cache (--max-batch > 1) |
 | eagle3:e2e_request_latency_seconds | histogram | arrival -> last token (queue wait included) |
 | eagle3:time_to_first_token_seconds | histogram | arrival -> first token (queue wait included) |
 | eagle3:num_requests_waiting, eagle3:num_requests_running | gauge | queue depth; sequences in the engine (up to --max-batch; vLLM's vllm:num_requests_waiting/running) |
@@ -49,6 +50,9 @@ class ServerMetrics:
                                         "Requests whose client disconnected before sending the "
                                         "whole body (answered 499, nothing logged)", registry=r)
         self.prompt_tokens = Counter("eagle3:prompt_tokens", "Prompt tokens processed", registry=r)
+        self.cached_prompt_tokens = Counter("eagle3:prompt_tokens_cached",
+                                            "Prompt tokens whose k/v came from the prefix cache",
+                                            registry=r)
         self.generation_tokens = Counter("eagle3:generation_tokens", "Tokens generated", registry=r)
         self.latency = Histogram("eagle3:e2e_request_latency_seconds", "Arrival to last token",
                                  buckets=LATENCY_BUCKETS, registry=r)

@@ -194,12 +194,15 @@ class BatchWorker:
 
     def __init__(self, engine, max_queue: int, max_batch: int,
                  after_job: Optional[Callable[[], None]] = None,
-                 on_decode_step: Optional[Callable[[Step], None]] = None):
-        from ..generate.batch import BatchScheduler
+                 on_decode_step: Optional[Callable[[Step], None]] = None,
+                 prefix_cache_tokens: Optional[int] = None):
+        from ..generate.batch import PREFIX_CACHE_TOKENS, BatchScheduler
         if max_queue < 1:
             raise InputError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue, self.max_batch = engine, max_queue, max_batch
-        self.scheduler = BatchScheduler.from_engine(engine, max_batch)
+        self.scheduler = BatchScheduler.from_engine(
+            engine, max_batch, prefix_cache_tokens=PREFIX_CACHE_TOKENS if prefix_cache_tokens is None
+            else prefix_cache_tokens)
         self.after_job, self.on_decode_step = after_job, on_decode_step
         self.pending: deque[Job] = deque()          # guarded by _wake
         self.jobs: dict[int, Job] = {}              # request id -> job (engine thread only)

@@ -99,6 +99,7 @@ class Generation:
             self.spans.push(chunk.token_ids, chunk.from_draft)
         if chunk.result is not None:
             m.success.labels(chunk.finish_reason).inc()
+            m.cached_prompt_tokens.inc(chunk.result.cached_tokens)
             m.latency.observe(now - self.job.arrived)
             m.requests.labels(self.endpoint, "200").inc()
 
@@ -128,7 +129,8 @@ class Generation:
     def usage(self, result: GenerationResult) -> dict:
         n_out = len(result.token_ids)
         return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n_out,
-                "total_tokens": result.prompt_tokens + n_out}
+                "total_tokens": result.prompt_tokens + n_out,
+                "prompt_tokens_details": {"cached_tokens": result.cached_tokens}}
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created,
