@@ -759,8 +759,9 @@ def test_a_batch_steps_chunks_wake_the_event_loop_once(served_target):
 
 def test_the_server_reports_prompt_tokens_from_the_prefix_cache(served_target):
     """OpenAI's usage.prompt_tokens_details.cached_tokens and /metrics' prompt_tokens_cached: a
-    second prompt that repeats the first one's opening takes those tokens from the prefix cache;
-    with --prefix-cache-tokens 0 nothing is cached."""
+    second prompt that repeats the first one's opening takes those tokens from the prefix cache,
+    and after POST /reset_prefix_cache a third does not; with --prefix-cache-tokens 0 nothing is
+    cached."""
     import httpx
 
     from eagle3.generate import Engine
@@ -778,3 +779,7 @@ def test_the_server_reports_prompt_tokens_from_the_prefix_cache(served_target):
             assert cached[0] == 0
             assert (cached[1] >= 16) == expect_cached and (cached[1] == 0) != expect_cached
             assert gauges(s.url)["eagle3:prompt_tokens_cached_total"] == cached[1]
+            reset = httpx.post(s.url + "/reset_prefix_cache", timeout=30).json()["reset"]
+            again = httpx.post(s.url + "/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": opening + "Name three.", "max_tokens": 3}).json()["usage"]
+            assert reset == expect_cached and again["prompt_tokens_details"]["cached_tokens"] == 0

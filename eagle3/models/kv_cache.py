@@ -234,6 +234,10 @@ class PrefixStore:
         self.tokens = 0
         self.hits = self.reused_tokens = 0
 
+    def clear(self) -> None:
+        self.entries.clear()
+        self.tokens = 0
+
     def match(self, tokens: list[int], limit: int) -> tuple[int, Optional[tuple]]:
         """The longest prefix of `tokens` (at most `limit`) some entry holds: (length, key)."""
         best, best_key = 0, None

@@ -8,6 +8,7 @@
 | GET  /v1/models           | yes | the one served model |
 | POST /v1/chat/completions | yes | chat; `stream` = SSE ending in `data: [DONE]` |
 | POST /v1/completions      | yes | raw-text completion (no chat template) |
+| POST /reset_prefix_cache  | yes | empty the prefix cache before the next step (vLLM's route; benchmarks) |
 
 Every response carries its speculation stats in an extra field `eagle3`; stream chunks carry the
 text split into runs [[text, drafted], ...] and the running tau. No request field is ever used as a
@@ -367,6 +368,12 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await server.handle(request, chat=False)
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> JSONResponse:
+        server.check_auth(request)
+        reset = getattr(server.worker, "reset_prefix_cache", None)
+        return JSONResponse({"reset": bool(reset and reset())})
 
 
 def add_error_handlers(app: FastAPI) -> None:

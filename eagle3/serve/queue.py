@@ -209,6 +209,7 @@ class BatchWorker:
         self.mean_job_s = 1.0
         self._wake = threading.Condition()
         self._stopping = False
+        self._reset_prefixes = False                # guarded by _wake: empty them before a step
         self._thread: Optional[threading.Thread] = None
         self.outbox = Outbox()                      # engine thread only: a step's deliveries
 
@@ -251,6 +252,16 @@ class BatchWorker:
             self.pending.append(job)
             self._wake.notify()
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache before the next step (on the engine thread, which owns it):
+        requests submitted after this call never see a prefix stored before it. False: no cache."""
+        if self.scheduler.prefixes is None:
+            return False
+        with self._wake:
+            self._reset_prefixes = True
+            self._wake.notify()
+        return True
+
     def retry_after_s(self) -> int:
         # max_batch jobs run at once: the queue drains max_batch times faster than one at a time
         return int(min(60, max(1, round(self.mean_job_s * (self.waiting / self.max_batch + 1)))))
@@ -272,10 +283,14 @@ class BatchWorker:
     def _next_jobs(self) -> bool:
         """Wait for work; admit pending jobs into free slots. False once stopping."""
         with self._wake:
-            while not self._stopping and not self.pending and not self.scheduler.has_work:
+            while (not self._stopping and not self.pending and not self.scheduler.has_work
+                   and not self._reset_prefixes):
                 self._wake.wait()
             if self._stopping:
                 return False
+            if self._reset_prefixes:
+                self.scheduler.prefixes.clear()
+                self._reset_prefixes = False
             admitted = [self.pending.popleft()
                         for _ in range(min(len(self.pending), self.scheduler.free_slots))]
         for job in admitted:
