@@ -276,8 +276,7 @@ def vllm_command(args, port: int, max_batch: int, speculative: bool) -> tuple[li
                                     args.chain_depth)
     model_dir = model_dir_for_vllm(src.hf_dir, s.work_dir)
     cmd = server_command(s, model_dir, draft_dir, port, max_batch, MODEL_NAME)
-    env = {**child_env(s, name), "VLLM_SERVER_DEV_MODE": "1"}     # its /reset_prefix_cache route
-    return cmd, env, s.work_dir / name / "server.log"
+    return cmd, child_env(s, name), s.work_dir / name / "server.log"
 
 
 def start_server(args, system: str, max_batch: int) -> tuple[subprocess.Popen, str]:
@@ -324,10 +323,10 @@ def warm_up(args, url: str, prompts: list[str]) -> None:
 
 
 def reset_prefix_cache(url: str) -> bool:
-    """Empty the server's prefix cache (POST /reset_prefix_cache, ours and vLLM's dev route):
-    every cell sends the same prompts, so a cache kept from the cell before would skip their
-    prefill; within a cell, prompts share what a server may legitimately reuse (the chat
-    template's opening). False where the server has no such route."""
+    """Empty our server's prefix cache (POST /reset_prefix_cache): every cell sends the same
+    prompts, so a cache kept from the cell before would skip their prefill; within a cell, prompts
+    share what a server may legitimately reuse (the chat template's opening). vLLM's server runs
+    with its prefix caching off (vllm_peer.server_command). False where the route is refused."""
     try:
         return httpx.post(url + "/reset_prefix_cache", timeout=30).status_code == 200
     except httpx.HTTPError:
@@ -337,7 +336,7 @@ def reset_prefix_cache(url: str) -> bool:
 def bench_servers(args, servers: list[tuple[str, Optional[int], str]], prompts: list[str]) -> list[Result]:
     """Every (temperature, clients) cell on each of `servers` ((system, max_batch, url)) back to
     back, so that a machine whose speed drifts over the run shifts every system alike; each
-    server's prefix cache emptied before each of its cells."""
+    of our servers' prefix caches emptied before each of its cells."""
     for _, _, url in servers:
         warm_up(args, url, prompts)
     results = []
@@ -345,9 +344,9 @@ def bench_servers(args, servers: list[tuple[str, Optional[int], str]], prompts: 
         for temp in args.temperatures:
             for clients in args.clients:
                 for system, max_batch, url in servers:
-                    if not reset_prefix_cache(url) and rnd == 0 and clients == args.clients[0]:
-                        print(f"{system}: no /reset_prefix_cache: a prefix cache it keeps between "
-                              "cells is not emptied", flush=True)
+                    if system.startswith("ours") and not reset_prefix_cache(url):
+                        raise SystemExit(f"{system}: POST /reset_prefix_cache refused: its prefix "
+                                         "cache would carry the previous cell's prompts")
                     timings, wall = asyncio.run(run_clients(url, prompts, clients, args.tokens, temp))
                     results.append(summarize(timings, wall, max_batch, clients, temp, system, rnd))
                     print(table(results[-1:]).splitlines()[-1], flush=True)

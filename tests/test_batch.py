@@ -783,3 +783,19 @@ def test_the_server_reports_prompt_tokens_from_the_prefix_cache(served_target):
             again = httpx.post(s.url + "/v1/completions", timeout=60, json={
                 "model": "tiny", "prompt": opening + "Name three.", "max_tokens": 3}).json()["usage"]
             assert reset == expect_cached and again["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_the_server_says_when_the_prefix_cache_is_off_and_why(served_target):
+    """--prefix-cache-tokens on a layout that is not row-stable is not silently dropped: the
+    startup line says the cache is off and why."""
+    from eagle3.generate import Engine
+    from eagle3.generate.batch import BatchScheduler
+    from eagle3.serve.app import prefix_cache_state
+    from serve_fixtures import tiny_target as served, tokenizer
+    fp32 = build_target(served(), torch.float32)
+    for target, budget, said in ((served_target, 4096, "up to 4096 prompt tokens"),
+                                 (served_target, 0, "off (--prefix-cache-tokens 0)"),
+                                 (fp32, 4096, "off: this layout is not row-stable")):
+        sched = BatchScheduler.from_engine(Engine(target, tokenizer(), max_model_len=CTX), 2,
+                                           prefix_cache_tokens=budget)
+        assert prefix_cache_state(sched, budget).startswith(said)

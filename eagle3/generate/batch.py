@@ -68,7 +68,7 @@ class BatchRequest:
     decoder: Optional[object] = None    # its SpecDecoder while it decodes alone (solo)
     solo_steps: int = 0             # decode steps it ran speculatively alone
     cached_tokens: int = 0          # prompt tokens whose k/v came from the prefix cache
-    prefix_seen: bool = False       # looked up in / added to the prefix cache
+    prefix_seen: bool = False       # looked up in the prefix cache (once, before its prefill)
     out_ids: list[int] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     ttft_s: float = 0.0
@@ -120,8 +120,10 @@ class BatchScheduler:
             raise InputError("the solo engine must be speculative (a draft) on the batch's own target")
         self.solo = solo
         self.cache = target.new_slot_cache(max_model_len, max_batch)
-        stable = getattr(getattr(target, "backend", None), "row_stable", False)
-        self.prefixes = PrefixStore(prefix_cache_tokens) if stable and prefix_cache_tokens else None
+        # a row's k/v is the same whatever forward computed it: rows may be copied between caches
+        self.row_stable = bool(getattr(getattr(target, "backend", None), "row_stable", False))
+        self.prefixes = (PrefixStore(prefix_cache_tokens) if self.row_stable and prefix_cache_tokens
+                         else None)
         self.waiting: deque[BatchRequest] = deque()
         self.running: list[BatchRequest] = []          # admission order
         self._ids = itertools.count()
@@ -239,9 +241,8 @@ class BatchScheduler:
     def _can_copy(self, req: BatchRequest) -> bool:
         """The solo cache holds exactly the tokens the slot needs, computed as the batch would."""
         cache = getattr(req.decoder, "cache", None)
-        return (not req.done and req.slot is not None and req.fed == 0 and cache is not None
-                and cache.length == req.context_len
-                and getattr(getattr(self.target, "backend", None), "row_stable", False))
+        return (self.row_stable and not req.done and req.slot is not None and req.fed == 0
+                and cache is not None and cache.length == req.context_len)
 
     def _admit(self) -> None:
         while self.waiting and self.free_slots:

@@ -226,13 +226,10 @@ inline __m512 dots16(const float* q, const float* k0, int64_t ldk, int64_t n, in
   return _mm512_maskz_mov_ps(n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), reduce16(p));
 }
 
-// software prefetch of rows [0, n) of a [*, ld] fp32 matrix, D floats each (n <= 0: nothing)
-inline void prefetch_rows(const float* p, int64_t ld, int64_t n, int64_t D, int hint) {
+// software prefetch into L2 of rows [0, n) of a [*, ld] fp32 matrix, D floats each (n <= 0: nothing)
+inline void prefetch_rows(const float* p, int64_t ld, int64_t n, int64_t D) {
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t d = 0; d < D; d += 16) {
-      if (hint == _MM_HINT_T0) _mm_prefetch(reinterpret_cast<const char*>(p + r * ld + d), _MM_HINT_T0);
-      else _mm_prefetch(reinterpret_cast<const char*>(p + r * ld + d), _MM_HINT_T1);
-    }
+    for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(p + r * ld + d), _MM_HINT_T1);
 }
 
 // e^x for x <= 0 (Cephes expf polynomial, 2^n by scalef); lanes are independent
@@ -316,8 +313,18 @@ void weighted_sums_rows(const float* const* p, const float* v, int64_t ldv, int6
   constexpr int G = ND <= 4 ? 4 : 2;
   int64_t i = 0;
   for (; i + G <= rows; i += G) weighted_sums<ND, G>(p + i, v, ldv, S, inv + i, out + i);
-  if (G > 3 && rows - i == 3) weighted_sums<ND, (G > 3 ? 3 : 1)>(p + i, v, ldv, S, inv + i, out + i), i += 3;
-  if (G > 2 && rows - i >= 2) weighted_sums<ND, (G > 2 ? 2 : 1)>(p + i, v, ldv, S, inv + i, out + i), i += 2;
+  if constexpr (G > 3) {
+    if (rows - i == 3) {
+      weighted_sums<ND, 3>(p + i, v, ldv, S, inv + i, out + i);
+      i += 3;
+    }
+  }
+  if constexpr (G > 2) {
+    if (rows - i >= 2) {
+      weighted_sums<ND, 2>(p + i, v, ldv, S, inv + i, out + i);
+      i += 2;
+    }
+  }
   for (; i < rows; ++i) weighted_sums<ND, 1>(p + i, v, ldv, S, inv + i, out + i);
 }
 
@@ -401,8 +408,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         const int64_t n = std::min<int64_t>(16, S - s0);
         if (nk) {
           const int64_t lo = s0 * nS / S, hi = std::min<int64_t>(S, s0 + 16) * nS / S;
-          prefetch_rows(nk + lo * k.stride(2), k.stride(2), hi - lo, D, _MM_HINT_T1);
-          prefetch_rows(nv + lo * v.stride(2), v.stride(2), hi - lo, D, _MM_HINT_T1);
+          prefetch_rows(nk + lo * k.stride(2), k.stride(2), hi - lo, D);
+          prefetch_rows(nv + lo * v.stride(2), v.stride(2), hi - lo, D);
         }
         __mmask16 live = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
         if (mr)

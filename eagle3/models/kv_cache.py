@@ -232,7 +232,6 @@ class PrefixStore:
         self.max_tokens = max_tokens
         self.entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         self.tokens = 0
-        self.hits = self.reused_tokens = 0
 
     def clear(self) -> None:
         self.entries.clear()
@@ -258,8 +257,6 @@ class PrefixStore:
         k, v = self.entries[key]
         self.entries.move_to_end(key)
         cache.write(slot, k[:, :, :n], v[:, :, :n])
-        self.hits += 1
-        self.reused_tokens += n
         return n
 
     def store(self, cache: "SlotCache", slot: int, tokens: list[int]) -> None:

@@ -139,6 +139,7 @@ class Server:
         if self.max_batch > 1:
             self.worker = BatchWorker(engine, max_queue, self.max_batch, self.after_job, on_step,
                                       prefix_cache_tokens)
+            log.info("prefix cache: %s", prefix_cache_state(self.worker.scheduler, prefix_cache_tokens))
         else:
             self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
                                        on_decode_step=on_step)
@@ -336,6 +337,16 @@ def parse_content_type(header: str) -> tuple[str, str]:
         if key.strip().lower() == "charset":
             charset = value.strip().strip('"').lower()
     return media.strip().lower(), charset
+
+
+def prefix_cache_state(scheduler, tokens: int) -> str:
+    """What --prefix-cache-tokens gave, in words (it is off where copied rows would not be exact)."""
+    if scheduler.prefixes is not None:
+        return f"up to {tokens} prompt tokens"
+    if tokens == 0:
+        return "off (--prefix-cache-tokens 0)"
+    return ("off: this layout is not row-stable, so a copied k/v row would not equal the row a "
+            "prefill writes (every --weights but fp32 builds a row-stable target)")
 
 
 # ---------------------------------------------------------------------------- wiring

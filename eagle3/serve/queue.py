@@ -21,6 +21,7 @@ from typing import Callable, Optional, Union
 
 from ..errors import InputError
 from ..generate import Chunk, SamplingParams, Step
+from ..generate.batch import PREFIX_CACHE_TOKENS
 from ..threads import hand_over_cores
 
 log = logging.getLogger("eagle3.serve")
@@ -195,14 +196,13 @@ class BatchWorker:
     def __init__(self, engine, max_queue: int, max_batch: int,
                  after_job: Optional[Callable[[], None]] = None,
                  on_decode_step: Optional[Callable[[Step], None]] = None,
-                 prefix_cache_tokens: Optional[int] = None):
-        from ..generate.batch import PREFIX_CACHE_TOKENS, BatchScheduler
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
+        from ..generate.batch import BatchScheduler
         if max_queue < 1:
             raise InputError(f"max_queue must be >= 1, got {max_queue}")
         self.engine, self.max_queue, self.max_batch = engine, max_queue, max_batch
-        self.scheduler = BatchScheduler.from_engine(
-            engine, max_batch, prefix_cache_tokens=PREFIX_CACHE_TOKENS if prefix_cache_tokens is None
-            else prefix_cache_tokens)
+        self.scheduler = BatchScheduler.from_engine(engine, max_batch,
+                                                    prefix_cache_tokens=prefix_cache_tokens)
         self.after_job, self.on_decode_step = after_job, on_decode_step
         self.pending: deque[Job] = deque()          # guarded by _wake
         self.jobs: dict[int, Job] = {}              # request id -> job (engine thread only)
