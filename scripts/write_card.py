@@ -17,8 +17,12 @@ import torch
 
 
 def read_log(path: Path) -> tuple[list[dict], list[dict]]:
+    """(steps, evals) of a training log, each step once: a run resumed from a checkpoint logs again
+    the steps it had done after that checkpoint, and the later record is the one the run kept."""
     recs = [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
-    return [r for r in recs if "loss" in r], [r for r in recs if "eval" in r]
+    steps = {r["step"]: r for r in recs if "loss" in r}
+    evals = {r["step"]: r for r in recs if "eval" in r}
+    return [steps[k] for k in sorted(steps)], [evals[k] for k in sorted(evals)]
 
 
 def eval_table(evals: list[dict]) -> list[str]:
@@ -29,7 +33,7 @@ def eval_table(evals: list[dict]) -> list[str]:
 
 
 def tau_table(tau: dict) -> list[str]:
-    rows = [f"Measured with `{tau.get('command', 'scripts/measure_tau.py')}` ({tau['spec']}, CPU fp32 target):", "",
+    rows = [f"Measured with `{tau.get('command', 'scripts/measure_tau.py')}` ({tau['spec']}, CPU, the target on the engine's default weights):", "",
             "| temperature | prompts | max new | tau | acceptance per draft position |", "|---|---|---|---|---|"]
     for r in tau["results"]:
         rows.append(f"| {r['temperature']} | {r['prompts']} | {tau.get('max_new_tokens', '')} | {r['tau']} | "
@@ -90,13 +94,22 @@ def phase_rows(runs: list[Path], last_ckpt: dict) -> list[str]:
     return rows
 
 
+def config_file(run: Path) -> Path:
+    """The config a phase was started with: its train.toml, else the train_config.json it wrote."""
+    return run / "train.toml" if (run / "train.toml").is_file() else run / "train_config.json"
+
+
 def held_out_coverage(ckpt: dict, cfg: dict) -> dict:
     from eagle3.train.config import TrainConfig
     from eagle3.train.features import load_conversation_files
     from eagle3.train.pipeline import split
     from eagle3.train.vocab import build_vocab, count_tokens
     samples = load_conversation_files(TrainConfig.from_dict(cfg).data_paths, cfg["max_len"])[:ckpt["num_samples"]]
-    tr, ev = split(len(samples), cfg["eval_fraction"])
+    if cfg.get("eval_data"):             # a fixed held-out file: every data sample trains
+        held_out = load_conversation_files([Path(cfg["eval_data"])], cfg["max_len"])
+        tr, ev, samples = range(len(samples)), range(len(samples), len(samples) + len(held_out)), samples + held_out
+    else:
+        tr, ev = split(len(samples), cfg["eval_fraction"])
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in tr), 49152)
     held = count_tokens((samples[i].ids[samples[i].loss_mask] for i in ev), 49152)
     out = {v: float(held[build_vocab(counts, v).used].sum() / held.sum()) for v in (4096, 8192, 12288, 16384, 32768)}
@@ -168,7 +181,7 @@ def main(argv: list[str]) -> int:
               "```", "python scripts/regen_data.py --out runs/data --limit 4000      # resumable; stopped at "
               f"{m['conversations']} here",
               *[dataset_command(d) for d in args.dataset_replies],
-              *[f"python -m eagle3.train --config {r}/train.toml   # phase {i + 1}; resumes from its checkpoint.pt"
+              *[f"python -m eagle3.train --config {config_file(r)}   # phase {i + 1}; resumes from its checkpoint.pt"
                 for i, r in enumerate(runs)],
               f"python scripts/ship_draft.py --run {args.run} --out eagle3/drafts/smollm2-135m-eagle3",
               "python scripts/measure_tau.py --draft eagle3/drafts/smollm2-135m-eagle3 --n 80 --temperatures 0,1",

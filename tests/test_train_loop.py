@@ -72,6 +72,9 @@ def _ddp_worker(rank, store, out, result):
     draft = train(target, samples, BASE, Dist(rank, 2), out=out)
     if rank == 0:
         torch.save(weights(draft), result)
+    # both ranks tear gloo down together: once, under load, rank 1 destroyed its group while rank 0
+    # was still exporting and died in teardown ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
