@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 from typing import NamedTuple
@@ -52,9 +53,10 @@ def tokens_for(tau: float, a: float, b: float) -> float:
 
 
 def report(points: list[Point], targets: dict[float, float], train_rate: float, store_rate: float,
-           epochs: float) -> str:
+           epochs: float, command: str = "") -> str:
     temps = sorted({t for p in points for t in p.tau})
     lines = ["# Budget curve of the best recipe (k) on MT-bench", "",
+             *([f"`{command}`", ""] if command else []),
              f"Workload: {points[0].workload} (EAGLE only, no suffix candidates). Each row is a run "
              "trained to its own token budget (its schedule ends there).", "",
              "| run | training tokens | training s | " + " | ".join(f"tau T={t:g}" for t in temps) + " |",
@@ -102,7 +104,8 @@ def main(argv: list[str]) -> int:
         t1, _ = read_tau(Path(f1))
         points.append(Point(label, int(float(tokens)), float(train_s), {**t0, **t1}, workload))
     targets = dict(args.target) if args.target else {0.0: 2.3, 1.0: 1.7}
-    text = report(points, targets, args.train_rate, args.store_rate, args.epochs)
+    command = "python scripts/tau_curve.py " + " ".join(shlex.quote(a) for a in argv)
+    text = report(points, targets, args.train_rate, args.store_rate, args.epochs, command)
     print(text)
     if args.out:
         args.out.write_text(text)
