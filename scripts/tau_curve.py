@@ -98,10 +98,18 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--epochs", type=float, default=4.0, help="reuse of each unique token")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
-    points = []
+    points, first = [], None
     for label, tokens, train_s, f0, f1 in args.point:
         t0, workload = read_tau(Path(f0))
-        t1, _ = read_tau(Path(f1))
+        t1, workload1 = read_tau(Path(f1))
+        first = first or (f0, workload)
+        for path, w in ((f0, workload), (f1, workload1)):
+            if w != first[1]:      # one curve, one workload: a point measured otherwise would bend the fit
+                raise SystemExit(f"{path}: workload {w!r} != {first[1]!r} of {first[0]}; measure every "
+                                 "point with the same scripts/measure_tau.py --n/--max-new-tokens/--tree")
+        if set(t0) & set(t1):
+            raise SystemExit(f"{f0} and {f1} both hold temperature(s) {sorted(set(t0) & set(t1))}; "
+                             "give each point its T=0 file, then its T=1 file")
         points.append(Point(label, int(float(tokens)), float(train_s), {**t0, **t1}, workload))
     targets = dict(args.target) if args.target else {0.0: 2.3, 1.0: 1.7}
     command = "python scripts/tau_curve.py " + " ".join(shlex.quote(a) for a in argv)

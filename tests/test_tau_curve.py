@@ -18,8 +18,8 @@ def load_script():
     return mod
 
 
-def tau_file(path: Path, temperature: float, tau: float) -> Path:
-    path.write_text(json.dumps({"max_new_tokens": 256, "spec": "tree 4,5,8",
+def tau_file(path: Path, temperature: float, tau: float, max_new: int = 256) -> Path:
+    path.write_text(json.dumps({"max_new_tokens": max_new, "spec": "tree 4,5,8",
                                 "results": [{"temperature": temperature, "prompts": 80, "tau": tau}]}))
     return path
 
@@ -34,7 +34,7 @@ def test_the_fit_recovers_a_log_linear_curve_and_inverts_it():
     assert curve.tokens_for(2.0, 1.0, -0.1) == math.inf          # a curve that falls never gets there
 
 
-def test_the_report_prices_the_target_in_tokens_and_cpu_hours(tmp_path, capsys):
+def test_the_report_prices_the_target_in_tokens_and_cpu_hours(tmp_path):
     curve = load_script()
     pts = []
     for i, tokens in enumerate((1e5, 1e6)):                 # tau 1.2 -> 1.2 + 0.1 ln 10 at T=0
@@ -51,3 +51,15 @@ def test_the_report_prices_the_target_in_tokens_and_cpu_hours(tmp_path, capsys):
     assert f"| {need / 1000 / 3600:,.0f} |" in row          # training hours at 1000 tokens/s
     with pytest.raises(SystemExit, match="two different token counts"):
         curve.fit([1.0, 1.0], [1.0, 2.0])
+
+
+def test_a_point_measured_on_another_workload_or_twice_at_one_temperature_is_refused(tmp_path):
+    curve = load_script()
+    a0, a1 = tau_file(tmp_path / "a0.json", 0.0, 1.3), tau_file(tmp_path / "a1.json", 1.0, 1.2)
+    b0 = tau_file(tmp_path / "b0.json", 0.0, 1.5, max_new=128)       # 80 x 128, not 80 x 256
+    b1 = tau_file(tmp_path / "b1.json", 1.0, 1.3)
+    rates = ["--train-rate", "1000", "--store-rate", "400"]
+    with pytest.raises(SystemExit, match="b0.json: workload '80 x 128.*80 x 256"):
+        curve.main(["--point", "a", "1e5", "1", str(a0), str(a1), "--point", "b", "1e6", "1", str(b0), str(b1)] + rates)
+    with pytest.raises(SystemExit, match="both hold temperature"):
+        curve.main(["--point", "a", "1e5", "1", str(a0), str(a0)] + rates)
