@@ -16,6 +16,7 @@ from eagle3.kernels import build
 
 ROOT = Path(__file__).resolve().parents[1]
 BF16_OPS = ("vdpbf16ps", "vcvtne2ps2bf16", "vcvtneps2bf16")   # the AVX512-BF16 instructions
+VNNI_OPS = ("vpdpbusd", "vpdpbusds", "vpdpwssd", "vpdpwssds")     # the AVX512-VNNI instructions
 needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
                            reason=f"small-M kernels not available here: {kernels.why()}")
 
@@ -173,6 +174,33 @@ def test_avx512_bf16_instructions_sit_only_in_the_attributed_functions():
     assert holders, "linear_bf16's dot products are gone"
     assert all(re.search(r"\btile_bf16<\d>\(", f) for f in holders), sorted(holders)
     assert "-mavx512bf16" not in kernels.CFLAGS
+
+
+@needs
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
+def test_avx512_vnni_instructions_sit_only_in_the_attributed_function():
+    """No -mavx512vnni for the whole file: only the integer-dot tile may hold them, so a CPU with
+    AVX-512 but without VNNI runs every other kernel."""
+    holders = _functions_with(Path(kernels.state().module.__file__), VNNI_OPS)
+    assert holders, "linear_quant's integer dot products are gone"
+    assert all(re.search(r"\bnibble_tile_vnni<\d>\(", f) for f in holders), sorted(holders)
+    assert not any("vnni" in flag for flag in kernels.CFLAGS)
+
+
+@needs
+def test_without_avx512_vnni_the_codes_run_on_fma(monkeypatch):
+    """The CPU flag gate: no integer dot products are packed, and the codes still run (fp32 FMA)."""
+    from test_quant import gguf_tiny_target
+    from eagle3.runtime.target import build_target
+    flags = kernels.cpu_flags() - {kernels.VNNI_FLAG}
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "_STATE", None)
+    assert not kernels.integer_dots() and "vnni" not in kernels.why()
+    model, codes = gguf_tiny_target("Q4_1")
+    layout = build_target(model, torch.float32, row_stable=True, gguf=codes)
+    assert layout.weights_name == "gguf:Q4_1" and not any(l.integer_dots for l in layout.linears)
+    out = layout(torch.tensor([[1, 2, 3]]), torch.arange(3), layout.new_cache(8))
+    assert torch.isfinite(out.logits).all()
 
 
 @needs

@@ -22,7 +22,9 @@ from eagle3.runtime.target import build_target  # noqa: E402
 from spec_helpers import StubTokenizer, tiny_draft, tiny_target  # noqa: E402
 
 TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q4_K", "Q6_K")
+FOUR_BIT = ("Q4_0", "Q4_1", "Q4_K")           # kernel kind 4: integer dot products where the CPU has VNNI
 needs_kernels = pytest.mark.skipif(kernels.quant_linear() is None, reason=f"no kernels: {kernels.why()}")
+needs_vnni = pytest.mark.skipif(not kernels.integer_dots(), reason="no AVX512-VNNI (or EAGLE3_VNNI=0)")
 
 
 def raw_blocks(type_name: str, out_features: int, in_features: int, seed: int = 0,
@@ -59,13 +61,16 @@ def test_codes_reproduce_ggufs_dequantisation_bit_for_bit(type_name):
 
 
 @needs_kernels
-@pytest.mark.parametrize("type_name", TYPES)
-def test_the_kernel_equals_the_dequantised_product_and_rows_stand_alone(type_name):
+@pytest.mark.parametrize("type_name,integer_dots",
+                         [(t, False) for t in TYPES] + [pytest.param(t, True, marks=needs_vnni) for t in FOUR_BIT])
+def test_the_kernel_equals_the_dequantised_product_and_rows_stand_alone(type_name, integer_dots):
     out_features, in_features = 72, 512           # 72: a last group of 8 valid lanes
     raw = raw_blocks(type_name, out_features, in_features, seed=1)
     codes = unpack(type_name, raw, out_features, in_features)
-    packed = kernels.pack_quant([codes.kernel_part()])
+    packed = kernels.pack_quant([codes.kernel_part()], integer_dots)
     x = torch.randn(19, in_features)
+    x[3, 40:72] *= 1e4                            # blocks of very different size in one row
+    x[4, 100:132] *= 1e-4
     bias = torch.randn(out_features)
     y = kernels.quant_linear()(x, packed, bias, out_features)
     ref = (x.double() @ gguf_dequantized(type_name, raw, out_features, in_features).double().T
@@ -74,6 +79,38 @@ def test_the_kernel_equals_the_dequantised_product_and_rows_stand_alone(type_nam
     alone = torch.cat([kernels.quant_linear()(x[i:i + 1].contiguous(), packed, bias, out_features)
                        for i in range(len(x))])
     assert torch.equal(alone, y)                  # bit for bit: the row-stable property
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", FOUR_BIT)
+def test_integer_dots_are_as_close_to_the_exact_product_as_fp32(type_name):
+    """The byte digits keep 23 bits under each block's largest input: no further from the fp64
+    product than the fp32 FMA path (whose error is fp32 rounding) by more than 2x, on inputs whose
+    sizes span six orders of magnitude."""
+    out_features, in_features = 64, 1536
+    raw = raw_blocks(type_name, out_features, in_features, seed=5)
+    codes = unpack(type_name, raw, out_features, in_features)
+    torch.manual_seed(0)
+    x = torch.randn(8, in_features) * torch.logspace(-3, 3, in_features)[torch.randperm(in_features)]
+    ref = x.double() @ codes.dequantize().double().T
+    err = {dots: (kernels.quant_linear()(x, kernels.pack_quant([codes.kernel_part()], dots), None, out_features)
+                  .double() - ref).abs().max().item() for dots in (False, True)}
+    assert err[True] <= 2 * err[False]
+
+
+@needs_kernels
+@pytest.mark.parametrize("integer_dots", [False, pytest.param(True, marks=needs_vnni)])
+def test_a_block_with_inf_or_nan_gives_nan_and_zeros_give_zero(integer_dots):
+    codes = unpack("Q4_1", raw_blocks("Q4_1", 32, 128, seed=2), 32, 128)
+    packed = kernels.pack_quant([codes.kernel_part()], integer_dots)
+    x = torch.randn(4, 128)
+    x[0, 5] = float("nan")
+    x[1, 70] = float("inf")
+    x[2] = 0.0
+    y = kernels.quant_linear()(x, packed, None, 32)
+    assert y[0].isnan().all() and not y[1].isfinite().any()
+    assert torch.equal(y[2], torch.zeros(32))
+    assert y[3].isfinite().all()
 
 
 @needs_kernels
@@ -139,6 +176,10 @@ def test_a_target_on_the_codes_gives_the_fp32_models_logits(type_name):
     want = exact_logits(model, ids, pos)
     got = layout(ids, pos, layout.new_cache(32)).logits
     assert (got.double() - want).abs().max() <= 1e-4
+    # and no further from the exact model than the fp32 reference is, within 2x (integer dot
+    # products whose offsets met the unrounded inputs were 3-5x further on Q4_0 / Q4_1)
+    fp32_error = (model(ids, pos, model.new_cache(32)).logits.double() - want).abs().max()
+    assert (got.double() - want).abs().max() <= 2 * fp32_error
 
 
 def exact_logits(model, ids, pos) -> torch.Tensor:
@@ -254,8 +295,26 @@ def test_the_cost_table_of_the_codes_is_not_the_fp32_layouts():
     model, codes = gguf_tiny_target("Q4_1")
     on_codes = build_target(model, torch.float32, row_stable=True, gguf=codes)
     fp32 = build_target(model, torch.float32, row_stable=True)
-    assert on_codes.weights_name == "gguf:Q4_1" and fp32.weights_name == "torch.float32"
+    assert on_codes.weights_name.startswith("gguf:Q4_1") and fp32.weights_name == "torch.float32"
     assert cost_key(on_codes, None) != cost_key(fp32, None)
+
+
+@needs_vnni
+def test_integer_dots_are_named_and_switched_off_by_the_environment(monkeypatch):
+    """The arithmetic is part of what the linears run (the cost table's key, `eagle3 info`), and
+    EAGLE3_VNNI=0 keeps the 4-bit codes on the fp32 FMA path."""
+    model, codes = gguf_tiny_target("Q4_1")
+    on = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes)
+    assert on.weights_name == "gguf:Q4_1, int8 dot"
+    monkeypatch.setattr(kernels, "_STATE", None)
+    monkeypatch.setenv("EAGLE3_VNNI", "0")
+    assert not kernels.integer_dots() and "vnni" not in kernels.why()
+    off = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes)
+    assert off.weights_name == "gguf:Q4_1"
+    ids, pos = torch.randint(0, 64, (1, 12)), torch.arange(12)[None]
+    a = on(ids, pos, on.new_cache(32)).logits
+    b = off(ids, pos, off.new_cache(32)).logits
+    assert not torch.equal(a, b) and (a - b).abs().max() <= 1e-4
 
 
 @pytest.mark.lossless

@@ -37,11 +37,15 @@ CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-m
 LDFLAGS = ["-fopenmp", f"-Wl,-rpath,{Path(torch.__file__).parent / 'lib'}"]
 
 
+VNNI_FLAG = "avx512_vnni"       # /proc/cpuinfo's name; linear_quant's integer dot products need it
+
+
 class KernelState(NamedTuple):
     module: Optional[object]    # the built extension, or None
     reason: str                 # why it is (not) in use
     bf16: bool                  # the CPU has AVX512-BF16 (linear_bf16 may run)
     build_dir: Optional[Path] = None
+    vnni: bool = False          # 4-bit GGUF codes may run on integer dot products (AVX512-VNNI)
 
 
 _STATE: Optional[KernelState] = None
@@ -75,7 +79,9 @@ def _build() -> KernelState:
               file=sys.stderr)
         return KernelState(None, f"build failed: {type(exc).__name__}", False)
     bf16 = BF16_FLAG in flags
-    return KernelState(module, "avx512" + (" + bf16" if bf16 else " (fp32 only)"), bf16, build_dir)
+    vnni = VNNI_FLAG in flags and os.environ.get("EAGLE3_VNNI", "1") != "0"
+    reason = "avx512" + (" + bf16" if bf16 else " (fp32 only)") + (" + vnni" if vnni else "")
+    return KernelState(module, reason, bf16, build_dir, vnni)
 
 
 def state() -> KernelState:
@@ -148,20 +154,30 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.view(padded // BLOCK, BLOCK, in_features).permute(0, 2, 1).contiguous()
 
 
-QUANT_MAGIC = 0x5451474745      # gemv.cpp kQuantMagic
+QUANT_MAGIC = 0x5451474746      # gemv.cpp kQuantMagic
 QUANT_LANES = 16                # outputs per record (gemv.cpp kQuantLanes)
 
 
-def pack_quant(parts: list) -> torch.Tensor:
+def integer_dots() -> bool:
+    """Whether pack_quant's default runs 4-bit codes on integer dot products here (AVX512-VNNI;
+    EAGLE3_VNNI=0 keeps them on fp32 FMA)."""
+    return state().vnni
+
+
+def pack_quant(parts: list, integer_dots: Optional[bool] = None) -> torch.Tensor:
     """GGUF integer codes -> linear_quant's packed weight (the layout is documented in gemv.cpp).
 
     parts: one per run of outputs, each (kind, block, codes [O, I], scales [O, I/block] fp32,
     offsets [O, I/block] fp32 or None): kind 4 = codes 0..15 and w = scale * code + offset,
-    kind 5 = codes -16..15 (5 bits) and kind 8 = int8 codes, both w = scale * code. Scales and offsets are stored in fp16 where that is
-    exact, else fp32."""
+    kind 5 = codes -16..15 (5 bits) and kind 8 = int8 codes, both w = scale * code. Scales and
+    offsets are stored in fp16 where that is exact, else fp32. integer_dots (default: the CPU has
+    AVX512-VNNI): kind-4 codes meet the activations as byte digits in integer dot products (gemv.cpp
+    nibble_tile_vnni), fixed for the packed weight's life so every call rounds alike."""
+    if integer_dots is None:
+        integer_dots = state().vnni
     in_features = parts[0][2].shape[1]
-    header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts)]
-    blobs, offset = [], _align(8 * (4 + 6 * len(parts)))
+    header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts), int(bool(integer_dots))]
+    blobs, offset = [], _align(8 * (5 + 6 * len(parts)))
     for kind, block, codes, scales, offsets in parts:
         if codes.shape[1] != in_features:
             raise ValueError(f"fused parts differ in input width: {codes.shape[1]} vs {in_features}")

@@ -21,6 +21,8 @@
 #include <cmath>
 #include <vector>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 
 namespace {
 
@@ -551,8 +553,8 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // ------------------------------------------------------------------ quantized weights (GGUF)
 // y[M, O] = x[M, I] @ W^T with W in the GGUF file's own integer codes, dequantized in registers.
 // The packed weight (eagle3/runtime/quant.py pack_quant) is one uint8 tensor: an int64 header
-// [magic, segments, I, O] + per segment [kind, out, block, scale_bytes, rec_bytes, offset], then
-// each segment's records. A segment is a run of outputs in one format (fused q/k/v may mix them);
+// [magic, segments, I, O, flags] + per segment [kind, out, block, scale_bytes, rec_bytes, offset],
+// then each segment's records. flags bit 0: kind-4 segments run on integer dot products (below). A segment is a run of outputs in one format (fused q/k/v may mix them);
 // a record covers 16 outputs (the lanes) x one block of inputs:
 //   kind 4 (Q4_0, Q4_1, Q4_K): 32 inputs, 4-bit codes c, w = scale * c + offset.
 //       4 x 64 bytes: zmm k, lane o = 8 codes of output o (inputs 8k..8k+7, input 8k+j in bits
@@ -565,9 +567,25 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // acc = scale * dot (+ offset * sum_j x_j) (the block's input sum, computed once per row): the
 // exact model of the file up to fp32 rounding, and each row in one fixed order whatever the call's
 // other rows (row-stable, as the bf16 kernels).
+//
+// Kind 4 on integer dot products (flags bit 0, AVX512-VNNI): the FMA path above spends ~3 vector
+// ops a weight turning nibbles into floats and is compute-bound at M = 1 (~20 GB/s of codes, below
+// the memory's ~30). Here each row's block of 32 inputs becomes integers X = round(x / s), with
+// s = max |x| / kDigitMax per row and block (23 bits under the block's largest input: fp32 carries
+// 24 under each value), split into three signed byte digits X = d0 + 256 d1 + 65536 d2 (d0, d1 in
+// [-128, 127], d2 in [-128, 127] since |X| <= kDigitMax). Per digit plane the block's dot with the
+// 0..15 codes is exact in int32 (vpdpbusd: u8 codes x s8 digits, 64 products an instruction);
+// d0 + 256 d1's dot (|.| < 2^24) and d2's are exact in fp32 and joined with one rounding:
+// acc += (scale * s) * dot + offset * (s * sum_j X_j). The offset meets the same rounded inputs as
+// the codes, so the result is the file's exact weights times inputs moved by at most s / 2. Integer
+// sums have no order, so a row's result is independent of the call's other rows.
 namespace {
 
-constexpr int64_t kQuantMagic = 0x5451474745;   // "EGGQT"
+constexpr int64_t kQuantMagic = 0x5451474746;   // "FGGQT": the header with flags
+constexpr int64_t kHeaderWords = 5;
+constexpr int kPlanes = 3;                       // byte digits per activation
+constexpr int kDigitWords = kPlanes * 8;         // int32 words of digits per row and block of 32
+constexpr float kDigitMax = 8355000.0f;          // < 127 * (65536 + 256 + 1): d2 never leaves int8
 constexpr int kQuantLanes = 16;
 
 struct QuantSeg {
@@ -575,7 +593,7 @@ struct QuantSeg {
 };
 
 std::vector<QuantSeg> quant_segments(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
-  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() >= 32,
+  TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() >= 8 * kHeaderWords,
               "packed quantized weight must be a contiguous uint8 tensor from pack_quant");
   const int64_t* h = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>());
   TORCH_CHECK(h[0] == kQuantMagic, "packed quantized weight: bad magic (not made by pack_quant)");
@@ -584,7 +602,7 @@ std::vector<QuantSeg> quant_segments(const torch::Tensor& packed, int64_t in_fea
   std::vector<QuantSeg> segs;
   int64_t out0 = 0, group0 = 0;
   for (int64_t s = 0; s < h[1]; ++s) {
-    const int64_t* e = h + 4 + 6 * s;
+    const int64_t* e = h + kHeaderWords + 6 * s;
     QuantSeg g{e[0], e[1], e[2], e[3], e[4], e[5], out0, group0};
     TORCH_CHECK(((g.kind == 4 || g.kind == 5) && g.block == 32) || (g.kind == 8 && (g.block == 32 || g.block == 16)),
                 "packed quantized weight: kind ", g.kind, " with block ", g.block, " has no kernel");
@@ -689,6 +707,89 @@ void nibble_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, c
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
 
+// Each row's blocks of 32 inputs as byte digits (the layout nibble_tile_vnni reads): per row and
+// block kDigitWords int32, [plane][k][half] with half 0 = inputs 8k + 0, 2, 4, 6 and half 1 =
+// 8k + 1, 3, 5, 7 (the byte order of the nibbles masked out of a code word); the block's s and
+// s * sum_j X_j. A block with an inf or NaN input gets a NaN s, so its outputs are NaN as on the
+// FMA path.
+void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, float* scale, float* xsum) {
+  const int64_t nb = I / 32;
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const __m512i bias = _mm512_set1_epi32(128), mask = _mm512_set1_epi32(255);
+  // bytes of inputs 0..15 in order -> [k][half][pos]: 0 2 4 6, 1 3 5 7, 8 10 12 14, 9 11 13 15
+  const __m128i order = _mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * I + b * 32;
+      const __m512 v[2] = {_mm512_loadu_ps(xb), _mm512_loadu_ps(xb + 16)};
+      const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v[0]), _mm512_andnot_ps(sign, v[1])));
+      int32_t* d = digits + (r * nb + b) * kDigitWords;
+      float& s = scale[r * nb + b];
+      float& sum = xsum[r * nb + b];
+      const bool finite = std::isfinite(m) && !_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) &&
+                          !_mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
+      s = finite ? m / kDigitMax : std::numeric_limits<float>::quiet_NaN();
+      if (!finite || !(s > 0.0f)) {            // inf / NaN among the inputs, or all zero (or underflow)
+        if (finite) s = 0.0f;
+        sum = s;
+        std::fill(d, d + kDigitWords, 0);
+        continue;
+      }
+      const __m512 inv = _mm512_set1_ps(kDigitMax / m);
+      int32_t total = 0;
+      for (int h = 0; h < 2; ++h) {           // inputs 16h .. 16h + 15: k = 2h, 2h + 1
+        __m512i X = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        total += _mm512_reduce_add_epi32(X);
+        for (int p = 0; p < kPlanes; ++p) {
+          const __m512i digit = p + 1 < kPlanes
+              ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, bias), mask), bias) : X;
+          const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(digit), order);
+          _mm_storeu_si128(reinterpret_cast<__m128i*>(d + p * 8 + 4 * h), bytes);
+          X = _mm512_srai_epi32(_mm512_sub_epi32(X, digit), 8);
+        }
+      }
+      sum = s * (float)total;
+    }
+}
+
+// MT rows against one group of 16 outputs of a kind-4 segment, on integer dot products
+template <int MT>
+__attribute__((target("avx512vnni"))) void nibble_tile_vnni(
+    const int32_t* digits, const float* scale, const float* xsum, int64_t nb, const uint8_t* rec,
+    int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 radix2 = _mm512_set1_ps(65536.0f);
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    __m512i codes[4][2];
+    for (int k = 0; k < 4; ++k) {
+      const __m512i n = _mm512_loadu_si512(rec + 64 * k);
+      codes[k][0] = _mm512_and_si512(n, low);
+      codes[k][1] = _mm512_and_si512(_mm512_srli_epi32(n, 4), low);
+    }
+    const __m512 d = load_scales(rec + Nibbles::kScalesAt, sb);
+    const __m512 m = load_scales(rec + Nibbles::kScalesAt + 16 * sb, sb);
+    for (int r = 0; r < MT; ++r) {
+      const int32_t* w = digits + (r * nb + b) * kDigitWords;
+      __m512i dot[kPlanes][2];                  // plane x half: six independent chains
+      for (int p = 0; p < kPlanes; ++p)
+        for (int h = 0; h < 2; ++h) {
+          __m512i a = _mm512_setzero_si512();
+          for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
+          dot[p][h] = a;
+        }
+      const __m512i low2 = _mm512_add_epi32(_mm512_add_epi32(dot[0][0], dot[0][1]),
+                                            _mm512_slli_epi32(_mm512_add_epi32(dot[1][0], dot[1][1]), 8));
+      const __m512 high = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[2][0], dot[2][1]));
+      const __m512 sum = _mm512_fmadd_ps(high, radix2, _mm512_cvtepi32_ps(low2));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
+}
+
 // MT rows against one group of 16 outputs of a kind-8 segment with blocks of BLK inputs
 template <int MT, int BLK>
 void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, int64_t rec_bytes,
@@ -712,21 +813,37 @@ void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, in
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
 
+// A call's rows as the tiles read them: fp32 inputs, block sums, and (flags bit 0) byte digits
+struct QuantRows {
+  const float* x;
+  int64_t I;
+  const float* xsum;
+  int64_t nb32;
+  const int32_t* digits;     // null: kind 4 on the FMA path
+  const float* scale;        // per row and block: the digits' s and s * sum_j X_j
+  const float* digit_sum;
+};
+
 template <int MT>
-void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const float* x, int64_t I,
-                 const float* xsum, int64_t nb32, float* y, int64_t O) {
-  const int64_t blocks = I / g.block, local = group - g.group0;
+void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const QuantRows& q, int64_t m0,
+                 float* y, int64_t O) {
+  const int64_t I = q.I, nb32 = q.nb32, blocks = I / g.block, local = group - g.group0;
+  const float* x = q.x + m0 * I;
+  const float* xsum = q.xsum + m0 * nb32;
   const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
   const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
-  float* yo = y + g.out0 + local * kQuantLanes;
-  if (g.kind == 4) nibble_tile<MT, Nibbles>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  float* yo = y + m0 * O + g.out0 + local * kQuantLanes;
+  if (g.kind == 4 && q.digits)
+    nibble_tile_vnni<MT>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32, rec, blocks,
+                         g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.kind == 4) nibble_tile<MT, Nibbles>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.kind == 5) nibble_tile<MT, FiveBits>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.block == 32) q8_tile<MT, 32>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else q8_tile<MT, 16>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
 }
 
-using QuantGroupFn = void (*)(const QuantSeg&, int64_t, const uint8_t*, const float*, int64_t,
-                              const float*, int64_t, float*, int64_t);
+using QuantGroupFn = void (*)(const QuantSeg&, int64_t, const uint8_t*, const QuantRows&, int64_t,
+                              float*, int64_t);
 const QuantGroupFn kQuantGroups[kQuantTile] = {quant_group<1>, quant_group<2>, quant_group<3>, quant_group<4>};
 
 }  // namespace
@@ -752,6 +869,20 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
       xsum[r * nb32 + b] = s;
     }
   const uint8_t* base = packed.data_ptr<uint8_t>();
+  const bool integer_dots = reinterpret_cast<const int64_t*>(base)[4] & 1;
+  std::vector<int32_t> digits;
+  std::vector<float> scale, digit_sum;
+  if (integer_dots && std::any_of(segs.begin(), segs.end(), [](const QuantSeg& g) { return g.kind == 4; })) {
+    TORCH_CHECK(__builtin_cpu_supports("avx512vnni"),
+                "packed quantized weight asks for integer dot products (AVX512-VNNI) this CPU lacks: "
+                "pack it with pack_quant(..., integer_dots=False)");
+    digits.resize(M * nb32 * kDigitWords);
+    scale.resize(M * nb32);
+    digit_sum.resize(M * nb32);
+    activation_digits(xp, M, I, digits.data(), scale.data(), digit_sum.data());
+  }
+  const QuantRows rows{xp, I, xsum.data(), nb32, digits.empty() ? nullptr : digits.data(), scale.data(),
+                       digit_sum.data()};
   const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -760,8 +891,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
       while (s + 1 < segs.size() && grp >= segs[s + 1].group0) ++s;
       for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {
         const int mt = (int)std::min<int64_t>(kQuantTile, M - m0);
-        kQuantGroups[mt - 1](segs[s], grp, base, xp + m0 * I, I, xsum.data() + m0 * nb32, nb32,
-                             yp + m0 * O, O);
+        kQuantGroups[mt - 1](segs[s], grp, base, rows, m0, yp, O);
       }
     }
   });

@@ -35,9 +35,11 @@ class PackedLinear:
         self.torch_weight = weight if backend.name == "torch" else None
         self.small = None              # the small-M kernel, where this backend and dtype have one
         self.quant_types: tuple[str, ...] = ()
+        self.integer_dots = False      # 4-bit codes on integer dot products (gemv.cpp nibble_tile_vnni)
         if backend.kernels is not None and codes:
             self.small = kernels.quant_linear()
-            self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes])
+            self.integer_dots = kernels.integer_dots() and any(c.kernel_part()[0] == 4 for c in codes)
+            self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes], self.integer_dots)
             self.quant_types = tuple(c.ggml_type for c in codes)
         elif backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
             self.small = kernels.small_linear(self.weight_dtype)

@@ -43,9 +43,12 @@ class InferenceTarget:
 
     @property
     def weights_name(self) -> str:
-        """What the linears run: "gguf:<types>" on the file's codes, else the weight dtype."""
+        """What the linears run: "gguf:<types>" on the file's codes (", int8 dot" where 4-bit codes
+        run on integer dot products), else the weight dtype."""
         types = sorted({t for l in self.linears for t in l.quant_types})
-        return "gguf:" + "+".join(types) if types else str(self.backend.weight_dtype)
+        if not types:
+            return str(self.backend.weight_dtype)
+        return "gguf:" + "+".join(types) + (", int8 dot" if any(l.integer_dots for l in self.linears) else "")
 
     @property
     def linears(self) -> list[PackedLinear]:
