@@ -859,20 +859,23 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
                         "bias must be fp32 [O]");
   auto y = torch::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
-  // each row's block sums, in one fixed order (inputs in order), for the offsets of kind-4 blocks
   const int64_t nb32 = I / 32;
-  std::vector<float> xsum(M * std::max<int64_t>(nb32, 1), 0.0f);
-  for (int64_t r = 0; r < M; ++r)
-    for (int64_t b = 0; b < nb32; ++b) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < 32; ++j) s += xp[r * I + b * 32 + j];
-      xsum[r * nb32 + b] = s;
-    }
   const uint8_t* base = packed.data_ptr<uint8_t>();
   const bool integer_dots = reinterpret_cast<const int64_t*>(base)[4] & 1;
+  const bool four_bit = std::any_of(segs.begin(), segs.end(), [](const QuantSeg& g) { return g.kind == 4; });
+  // each row's block sums, in one fixed order (inputs in order), for the offsets of kind-4 blocks
+  // on the FMA path (integer dot products sum the rounded inputs: activation_digits)
+  std::vector<float> xsum(M * std::max<int64_t>(nb32, 1), 0.0f);
+  if (four_bit && !integer_dots)
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t b = 0; b < nb32; ++b) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < 32; ++j) s += xp[r * I + b * 32 + j];
+        xsum[r * nb32 + b] = s;
+      }
   std::vector<int32_t> digits;
   std::vector<float> scale, digit_sum;
-  if (integer_dots && std::any_of(segs.begin(), segs.end(), [](const QuantSeg& g) { return g.kind == 4; })) {
+  if (integer_dots && four_bit) {
     TORCH_CHECK(__builtin_cpu_supports("avx512vnni"),
                 "packed quantized weight asks for integer dot products (AVX512-VNNI) this CPU lacks: "
                 "pack it with pack_quant(..., integer_dots=False)");
