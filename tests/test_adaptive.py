@@ -3,6 +3,8 @@ draft catching up later) keeps greedy output identical to plain decoding, the ca
 pass over the sequence, and sampled output keeps the target's distribution."""
 from __future__ import annotations
 
+import time
+
 import copy
 
 import pytest
@@ -43,7 +45,10 @@ class Scripted:
         return self.taken[-1]
 
     def observe(self, arm, step, levels, wall_ms):
-        pass
+        self.observed = getattr(self, "observed", []) + [(arm, levels, wall_ms)]
+
+    def observe_catch_up(self, rows, ms):
+        self.catch_ups = getattr(self, "catch_ups", []) + [(rows, ms)]
 
 
 SCRIPTS = [(PLAIN, SHAPES[0]), (SHAPES[1], PLAIN, PLAIN, SHAPES[0], SHAPES[2]),
@@ -81,6 +86,30 @@ def test_any_sequence_of_choices_keeps_greedy_identity_and_the_caches(target, re
     assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
 
 
+def test_the_catch_up_after_plain_steps_is_not_charged_to_the_shape(target, reference, monkeypatch):
+    """Three plain steps leave three rows for the draft; the next tree step runs them first. That
+    forward (made slow here) is reported apart and left out of the tree step's wall time and levels."""
+    draft = oracle_draft(target, PROMPT + reference)
+    policy = Scripted((PLAIN, PLAIN, PLAIN, SHAPES[2]))
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    real, calls = dec._extend, []
+
+    def slow_extend(ids, feats, start):
+        calls.append(ids.numel())
+        if len(calls) == 1:                           # the catch-up over the three plain rows
+            time.sleep(0.2)
+        real(ids, feats, start)
+    dec.prefill(PROMPT, MAX_NEW)
+    monkeypatch.setattr(dec, "_extend", slow_extend)
+    for _ in range(4):
+        dec.step()
+    assert calls[0] == 3 and [rows for rows, _ in policy.catch_ups] == [3] and policy.catch_ups[0][1] >= 200
+    arm, levels, wall_ms = policy.observed[-1]
+    assert arm == SHAPES[2] and wall_ms < 150
+    assert levels == SHAPES[2].depth                 # depth - 1 draft levels and the extend, no catch-up
+
+
 SUFFIX_SCRIPTS = [(SUFFIX_ONLY,), (SUFFIX_ONLY, SHAPES[1]), (PLAIN, SUFFIX_ONLY, SUFFIX_ONLY, SHAPES[2])]
 
 
@@ -112,13 +141,14 @@ DEAR_DRAFT = CostTable((1, 2, 4, 8, 16), (10.0, 10.1, 10.2, 10.4, 10.8), (40.0,)
 
 def test_the_engine_takes_suffix_only_steps_when_they_pay(target, reference):
     engine = Engine(target, StubTokenizer(), draft=tiny_draft(target), max_model_len=len(PROMPT) + MAX_NEW,
-                    policy=lambda: AdaptivePolicy(SHAPES, DEAR_DRAFT, correct_costs=False))
+                    policy=lambda greedy: AdaptivePolicy(SHAPES, DEAR_DRAFT, correct_costs=False))
     result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
     assert result.token_ids == reference
     arms = result.arms                                # plain where the index has no match
     assert max(arms, key=arms.get) == name_of(SUFFIX_ONLY), arms
     assert sum(s.accepted_suffix for s in result.decode_steps if s.arm == name_of(SUFFIX_ONLY)) > 0
     assert engine.policies[True].summary()["chosen"] == arms
+    assert set(engine.policies) == {True, False}       # both made at once: their shapes size the caches
 
 
 @pytest.mark.parametrize("oracle,costs,plain_share", [(False, CHEAP_PLAIN, (0.8, 1.0)),
@@ -129,7 +159,7 @@ def test_the_engine_follows_its_policy_and_stays_lossless(target, reference, ora
     # machine's timings of the tiny model
     draft = oracle_draft(target, PROMPT + reference) if oracle else tiny_draft(target)
     engine = Engine(target, StubTokenizer(), draft=draft, max_model_len=len(PROMPT) + MAX_NEW,
-                    policy=lambda: AdaptivePolicy(SHAPES, costs, probe_every=8, correct_costs=False))
+                    policy=lambda greedy: AdaptivePolicy(SHAPES, costs, probe_every=8, correct_costs=False))
     result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
     assert result.token_ids == reference
     arms = [s.arm for s in result.decode_steps]

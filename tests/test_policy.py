@@ -196,3 +196,19 @@ def test_a_rebuilt_kernel_is_costed_anew(monkeypatch):
     key = cost_key(plain, None)
     monkeypatch.setattr(kernels, "_STATE", state)
     assert cost_key(plain, None) == key
+
+
+def test_sampled_requests_get_the_shallow_shapes_and_a_longer_memory(monkeypatch):
+    """api.adaptive_policy's factory: greedy requests choose among DEFAULT_SHAPES, sampled ones among
+    SAMPLED_SHAPES (at T=1 a second draft level is rarely accepted) with averages that remember
+    longer (acceptance steps are coin flips there); shapes given: those for both."""
+    import eagle3.runtime.costs as costs_module
+    from eagle3.api import adaptive_policy
+    from eagle3.speculative.policy import DEFAULT_SHAPES, SAMPLED_MEMORY, SAMPLED_SHAPES
+    monkeypatch.setattr(costs_module, "machine_costs", lambda *args, **kwargs: TABLE)
+    make = adaptive_policy(None, None)
+    greedy, sampled = make(True), make(False)
+    assert greedy.shapes == DEFAULT_SHAPES and greedy.memory == 0.9
+    assert sampled.shapes == SAMPLED_SHAPES and sampled.memory == SAMPLED_MEMORY > greedy.memory
+    assert max(s.depth for s in SAMPLED_SHAPES) < max(s.depth for s in DEFAULT_SHAPES)
+    assert adaptive_policy(None, None, shapes=(CHAIN,))(False).shapes == (CHAIN,)

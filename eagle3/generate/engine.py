@@ -35,9 +35,9 @@ def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int) -> No
 
 class Engine:
     def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048,
-                 policy: Optional[Callable[[], "AdaptivePolicy"]] = None):
-        """policy: makes the adaptive step's policy (speculative.policy), one for greedy and one for
-        sampled requests, each kept across requests; None = every step drafts `spec`."""
+                 policy: Optional[Callable[[bool], "AdaptivePolicy"]] = None):
+        """policy: makes the adaptive step's policy (speculative.policy) for greedy (True) or sampled
+        (False) requests, each kept across requests; None = every step drafts `spec`."""
         if draft is not None and spec is None:
             from ..speculative.tree import SpecParams
             spec = SpecParams()
@@ -46,9 +46,9 @@ class Engine:
         self.policy_factory = policy if draft is not None else None
         self.policies: dict[bool, "AdaptivePolicy"] = {}        # params.greedy -> its policy
         shapes = [spec] if spec else []
-        if self.policy_factory is not None:                     # made now: its shapes size the caches
-            self.policies[True] = self.policy_factory()
-            shapes += self.policies[True].shapes
+        if self.policy_factory is not None:                     # made now: their shapes size the caches
+            self.policies = {greedy: self.policy_factory(greedy) for greedy in (True, False)}
+            shapes += [s for p in self.policies.values() for s in p.shapes]
         slack = max((s.cache_slack for s in shapes), default=1)  # verify block / draft tree rows
         self.cache = target.new_cache(max_model_len + slack)
         self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None
@@ -102,8 +102,6 @@ class Engine:
     def policy_for(self, params: SamplingParams) -> Optional["AdaptivePolicy"]:
         if self.policy_factory is None:
             return None
-        if params.greedy not in self.policies:
-            self.policies[params.greedy] = self.policy_factory()
         return self.policies[params.greedy]
 
     # ------------------------------------------------------------------ the loop

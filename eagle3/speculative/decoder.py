@@ -91,6 +91,7 @@ class SpecDecoder:
         self.eyes = {s.top_k: torch.eye(s.top_k, dtype=torch.bool, device=self.device) for s in self.shapes}
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # plain steps' (next id, feature)
         self.levels = 0                                              # draft forwards this step
+        self.caught_up: Optional[tuple[int, float]] = None           # this step's catch-up: rows, ms
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.head: Optional[DraftHead] = None
         self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
@@ -125,7 +126,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         conts = self.suffix_only_candidates()
         arm = self.policy.choose(suffix_ready=bool(conts))
-        self.levels = 0
+        self.levels, self.caught_up = 0, None
         if arm == PLAIN:
             step = self.plain_step()
         elif arm == SUFFIX_ONLY:
@@ -133,7 +134,16 @@ class SpecDecoder:
         else:
             self.spec = arm
             step = self.tree_step()
-        self.policy.observe(arm, step, self.levels, 1e3 * (time.perf_counter() - t0))
+        wall_ms = 1e3 * (time.perf_counter() - t0)
+        if self.caught_up is not None:
+            # the draft's catch-up over rows that plain / suffix-only steps left is the price of
+            # coming back to drafting, paid once per return whatever the shape: charged to the
+            # shape, it made every probe after a plain stretch look slow (a 100-row draft forward)
+            # and kept the policy on plain decoding where a shape paid (T=1, session 14)
+            rows, ms = self.caught_up
+            self.policy.observe_catch_up(rows, ms)
+            wall_ms, self.levels = wall_ms - ms, self.levels - 1
+        self.policy.observe(arm, step, self.levels, wall_ms)
         return step._replace(arm=name_of(arm))
 
     def plain_step(self) -> Step:
@@ -222,12 +232,15 @@ class SpecDecoder:
         return verify_sampled(logits, tree, self.params, self.gen)
 
     def _catch_up(self) -> None:
-        """The draft over the rows plain steps left waiting (one forward), so it proposes again."""
+        """The draft over the rows plain steps left waiting (one forward), so it proposes again;
+        its rows and time in `caught_up`."""
         if self.pending:
+            t0 = time.perf_counter()
             ids = torch.cat([i for i, _ in self.pending])
             feats = torch.cat([f for _, f in self.pending])
             self.pending = []
             self._extend(ids, feats, self.draft_cache.length)
+            self.caught_up = (ids.numel(), 1e3 * (time.perf_counter() - t0))
 
     def draft_tree(self) -> Tree:
         """EAGLE-2 dynamic tree over the draft cache; the draft cache is left at its prefix."""

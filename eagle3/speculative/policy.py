@@ -22,6 +22,13 @@ governor down to one thread) is corrected per arm after a few steps while one no
     cost(arm)    = table(arm) * ratio(arm)           (ratio 1 before the arm's first step)
     rate(arm)    = tokens(arm) / cost(arm)
 
+A drafting step after plain or suffix-only steps first runs the draft over the rows they left
+(`SpecDecoder._catch_up`, one forward of that many rows). That is the price of returning to
+drafting, the same for every shape and growing with the stretch it follows; the decoder passes it
+to `observe_catch_up` and leaves it out of the step's wall time and levels, so a probe after a
+long plain stretch is judged by what the shape costs, not by the stretch (charged to the shape it
+was ~10 ms a probe at T=1, and plain decoding won every comparison it should have lost).
+
 overhead_ms (tree building, verification, bookkeeping) is the rolling wall time past the predicted
 forwards of the drafting steps, shared by the shapes; it is updated before the step's ratio is
 taken, so the two do not count the same milliseconds twice. `correct_costs=False` trusts the table
@@ -51,10 +58,21 @@ PLAIN = "plain"
 SUFFIX_ONLY = "suffix"
 Arm = Union[str, SpecParams]
 
-# the adaptive step's default choices (with PLAIN): the default tree, the same with up to 8 suffix
-# nodes, and a small tree with suffix nodes for stretches where deep drafts are rejected
+# the adaptive step's default choices for greedy requests (with PLAIN): the default tree, the same
+# with up to 8 suffix nodes, and a small tree with suffix nodes for stretches where deep drafts are
+# rejected
 DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8, 0.05),
                   SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
+# ... and for sampled requests: one level of 3 or 7 siblings, and the small tree. At T=1 the
+# shipped draft's second level is accepted at ~0.07 (MT-bench, 24 x 128), so a deep tree's levels
+# cost a draft forward each for almost nothing, while a node's siblings are all tried in one verify
+# row each (verify.py: P(accept) = the target's mass on the set): 3 siblings 0.31, 7 siblings 0.37,
+# a chain of one 0.20 (scripts/measure_tau.py --temperatures 1 --tree 3,1,4,0 etc.). Acceptance
+# steps are coin flips at ~0.35, so the averages remember longer (SAMPLED_MEMORY) than greedy's:
+# with 0.9 one short run of rejections sent the policy to plain decoding for a probe interval
+# (24 x 128 at T=1, bf16: 1.01x plain with 0.9, 1.08x with 0.97; the fixed 3-sibling tree 1.01-1.09x).
+SAMPLED_SHAPES = (SpecParams(3, 1, 4, 0.0), SpecParams(7, 1, 8, 0.0), SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
+SAMPLED_MEMORY = 0.97
 
 
 @dataclass
@@ -111,6 +129,7 @@ class AdaptivePolicy:
         self.suffix_only_tokens = self._suffix_budget(self.suffix_only_tokens)
         self.stats = {arm: ArmStats(self.memory) for arm in (*self.shapes, PLAIN, SUFFIX_ONLY)}
         self.overhead = Rolling(self.memory)
+        self.catch_ups = Counter()             # returns to drafting: count, rows, ms (not any arm's)
         self.interval = self.probe_every       # steps from the last probe to the next one
         self.next_probe = self.probe_every - 1
         self.leader: Optional[Arm] = None      # the best of the shapes and plain at the last choice
@@ -196,9 +215,16 @@ class AdaptivePolicy:
             self.overhead.add(max(wall_ms - self._forwards_ms(arm, rows, levels), 0.0))
         s.ratio.add(wall_ms / self.table_ms(arm, rows, levels))
 
+    def observe_catch_up(self, rows: int, ms: float) -> None:
+        """A drafting step first ran the draft over `rows` rows that plain or suffix-only steps left
+        waiting: the price of returning to drafting (the step's wall time and levels passed to
+        `observe` exclude it), kept apart for the summary."""
+        self.catch_ups.update(count=1, rows=rows, ms=ms)
+
     def summary(self) -> dict:
         """How the choices spread (arm name -> steps), each arm's averages and cost correction."""
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
+                "catch_up": {k: round(v, 1) for k, v in self.catch_ups.items()},
                 "probe_every": self.interval,
                 "arms": {name_of(a): {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
                                       "levels": round(st.levels.value, 2),
