@@ -32,6 +32,8 @@ class KVCache:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # each layer's views, made once (indexing them anew cost ~2 us a layer, every forward)
+        self._layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
         self.max_len = max_len
         self.length = 0
 
@@ -40,7 +42,7 @@ class KVCache:
         return self.k.shape[1]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[i], self.v[i]
+        return self._layers[i]
 
     def check_room(self, num_new: int) -> None:
         check_room(self.length, num_new, self.max_len)
