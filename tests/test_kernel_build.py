@@ -201,6 +201,9 @@ def test_without_avx512_vnni_the_codes_run_on_fma(monkeypatch):
     assert layout.weights_name == "gguf:Q4_1" and not any(l.integer_dots for l in layout.linears)
     out = layout(torch.tensor([[1, 2, 3]]), torch.arange(3), layout.new_cache(8))
     assert torch.isfinite(out.logits).all()
+    part = codes.codes["layers.0.mlp.up_proj.weight"].kernel_part()
+    with pytest.raises(ValueError, match="no AVX512-VNNI.*pass integer_dots=None"):
+        kernels.pack_quant([part], integer_dots=True)
 
 
 @needs

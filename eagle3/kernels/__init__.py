@@ -175,6 +175,9 @@ def pack_quant(parts: list, integer_dots: Optional[bool] = None) -> torch.Tensor
     nibble_tile_vnni), fixed for the packed weight's life so every call rounds alike."""
     if integer_dots is None:
         integer_dots = state().vnni
+    elif integer_dots and VNNI_FLAG not in cpu_flags():
+        raise ValueError("pack_quant(integer_dots=True): this CPU has no AVX512-VNNI, so linear_quant "
+                         "could not run the weight; pass integer_dots=None (the CPU's choice) or False")
     in_features = parts[0][2].shape[1]
     header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts), int(bool(integer_dots))]
     blobs, offset = [], _align(8 * (5 + 6 * len(parts)))
