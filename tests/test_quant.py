@@ -132,6 +132,10 @@ def test_the_kernel_refuses_a_weight_of_another_shape():
         kernels.quant_linear()(torch.randn(1, 32), packed, None, 16)
     with pytest.raises(RuntimeError, match="out_features 8 != the packed weight's 16"):
         kernels.quant_linear()(torch.randn(1, 64), packed, None, 8)
+    unknown = packed.clone()
+    unknown[32:40] = torch.tensor([6], dtype=torch.int64).view(torch.uint8)     # header word 4: flags
+    with pytest.raises(RuntimeError, match="flags 6 .*pack it again"):
+        kernels.quant_linear()(torch.randn(1, 64), unknown, None, 16)
 
 
 def test_llama_row_order_undoes_the_ggufs_rotary_interleave():

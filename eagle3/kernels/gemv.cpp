@@ -554,8 +554,9 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // y[M, O] = x[M, I] @ W^T with W in the GGUF file's own integer codes, dequantized in registers.
 // The packed weight (eagle3/runtime/quant.py pack_quant) is one uint8 tensor: an int64 header
 // [magic, segments, I, O, flags] + per segment [kind, out, block, scale_bytes, rec_bytes, offset],
-// then each segment's records. flags bit 0: kind-4 segments run on integer dot products (below). A segment is a run of outputs in one format (fused q/k/v may mix them);
-// a record covers 16 outputs (the lanes) x one block of inputs:
+// then each segment's records. flags bit 0: kind-4 segments run on integer dot products (below).
+// A segment is a run of outputs in one format (fused q/k/v may mix them); a record covers 16
+// outputs (the lanes) x one block of inputs:
 //   kind 4 (Q4_0, Q4_1, Q4_K): 32 inputs, 4-bit codes c, w = scale * c + offset.
 //       4 x 64 bytes: zmm k, lane o = 8 codes of output o (inputs 8k..8k+7, input 8k+j in bits
 //       4j..4j+3); then 16 scales and 16 offsets (fp16 where the file's are exact in fp16, else fp32)
@@ -592,13 +593,20 @@ struct QuantSeg {
   int64_t kind, out, block, scale_bytes, rec_bytes, offset, out0, group0;
 };
 
-std::vector<QuantSeg> quant_segments(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
+struct QuantHeader {
+  std::vector<QuantSeg> segs;
+  bool integer_dots;           // flags bit 0
+};
+
+QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() >= 8 * kHeaderWords,
               "packed quantized weight must be a contiguous uint8 tensor from pack_quant");
   const int64_t* h = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>());
   TORCH_CHECK(h[0] == kQuantMagic, "packed quantized weight: bad magic (not made by pack_quant)");
   TORCH_CHECK(h[2] == in_features, "x width ", in_features, " != the packed weight's input width ", h[2]);
   TORCH_CHECK(h[3] == out_features, "out_features ", out_features, " != the packed weight's ", h[3]);
+  TORCH_CHECK(h[4] == 0 || h[4] == 1, "packed quantized weight: flags ", h[4], " (known: bit 0, integer dot "
+              "products); pack it again with this eagle3's pack_quant");
   std::vector<QuantSeg> segs;
   int64_t out0 = 0, group0 = 0;
   for (int64_t s = 0; s < h[1]; ++s) {
@@ -616,7 +624,7 @@ std::vector<QuantSeg> quant_segments(const torch::Tensor& packed, int64_t in_fea
     group0 += groups;
   }
   TORCH_CHECK(out0 == out_features, "segments cover ", out0, " outputs, expected ", out_features);
-  return segs;
+  return {segs, h[4] == 1};
 }
 
 inline __m512 load_scales(const uint8_t* p, int64_t scale_bytes) {
@@ -817,7 +825,7 @@ void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, in
 struct QuantRows {
   const float* x;
   int64_t I;
-  const float* xsum;
+  const float* xsum;         // null unless kind 4 runs on the FMA path
   int64_t nb32;
   const int32_t* digits;     // null: kind 4 on the FMA path
   const float* scale;        // per row and block: the digits' s and s * sum_j X_j
@@ -829,7 +837,7 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const Qu
                  float* y, int64_t O) {
   const int64_t I = q.I, nb32 = q.nb32, blocks = I / g.block, local = group - g.group0;
   const float* x = q.x + m0 * I;
-  const float* xsum = q.xsum + m0 * nb32;
+  const float* xsum = q.xsum ? q.xsum + m0 * nb32 : nullptr;   // kind 4 on FMA only
   const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
   const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
   float* yo = y + m0 * O + g.out0 + local * kQuantLanes;
@@ -854,25 +862,29 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
   expect(x, "x", torch::kFloat32);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [M, I] fp32 tensor");
   const int64_t M = x.size(0), I = x.size(1), O = out_features;
-  const auto segs = quant_segments(packed, I, O);
+  const auto header = quant_header(packed, I, O);
+  const auto& segs = header.segs;
+  const bool integer_dots = header.integer_dots;
   if (bias) TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() && bias->numel() == O,
                         "bias must be fp32 [O]");
   auto y = torch::empty({M, O}, x.options());
   const float* xp = x.data_ptr<float>();
   const int64_t nb32 = I / 32;
   const uint8_t* base = packed.data_ptr<uint8_t>();
-  const bool integer_dots = reinterpret_cast<const int64_t*>(base)[4] & 1;
   const bool four_bit = std::any_of(segs.begin(), segs.end(), [](const QuantSeg& g) { return g.kind == 4; });
   // each row's block sums, in one fixed order (inputs in order), for the offsets of kind-4 blocks
-  // on the FMA path (integer dot products sum the rounded inputs: activation_digits)
-  std::vector<float> xsum(M * std::max<int64_t>(nb32, 1), 0.0f);
-  if (four_bit && !integer_dots)
+  // on the FMA path (integer dot products sum the rounded inputs: activation_digits; no other
+  // tile reads them)
+  std::vector<float> xsum;
+  if (four_bit && !integer_dots) {
+    xsum.resize(M * nb32);
     for (int64_t r = 0; r < M; ++r)
       for (int64_t b = 0; b < nb32; ++b) {
         float s = 0.0f;
         for (int64_t j = 0; j < 32; ++j) s += xp[r * I + b * 32 + j];
         xsum[r * nb32 + b] = s;
       }
+  }
   std::vector<int32_t> digits;
   std::vector<float> scale, digit_sum;
   if (integer_dots && four_bit) {

@@ -142,7 +142,7 @@ class SpecDecoder:
             # and kept the policy on plain decoding where a shape paid (T=1, session 14)
             rows, ms = self.caught_up
             self.policy.observe_catch_up(rows, ms)
-            wall_ms, self.levels = wall_ms - ms, self.levels - 1
+            wall_ms -= ms
         self.policy.observe(arm, step, self.levels, wall_ms)
         return step._replace(arm=name_of(arm))
 
@@ -233,13 +233,14 @@ class SpecDecoder:
 
     def _catch_up(self) -> None:
         """The draft over the rows plain steps left waiting (one forward), so it proposes again;
-        its rows and time in `caught_up`."""
+        its rows and time in `caught_up`, and not one of the step's levels."""
         if self.pending:
             t0 = time.perf_counter()
             ids = torch.cat([i for i, _ in self.pending])
             feats = torch.cat([f for _, f in self.pending])
             self.pending = []
             self._extend(ids, feats, self.draft_cache.length)
+            self.levels -= 1
             self.caught_up = (ids.numel(), 1e3 * (time.perf_counter() - t0))
 
     def draft_tree(self) -> Tree:
