@@ -33,12 +33,20 @@ def test_fp32_kernel_matches_matmul(shape, rows):
     assert torch.allclose(kernel(x, packed, b, shape[0]).double(), ref + b.double(), atol=1e-4, rtol=1e-5)
 
 
+# the bf16 paths this machine runs: the vector one always, AMX tiles where kernels.amx()
+BF16_PATHS = [pytest.param(False, id="vector"),
+              pytest.param(True, id="amx", marks=pytest.mark.skipif(not kernels.amx(), reason="no AMX here"))]
+
+
 @needs_bf16
-@pytest.mark.parametrize("shape", [(70, 34), (960, 576)])
-@pytest.mark.parametrize("rows", [1, 5, 8, 17])
-def test_bf16_kernel_matches_rounded_matmul(shape, rows):
+@pytest.mark.parametrize("amx", BF16_PATHS)
+@pytest.mark.parametrize("shape", [(70, 34), (960, 576), (70, 96)])
+@pytest.mark.parametrize("rows", [1, 5, 8, 17, 40])
+def test_bf16_kernel_matches_rounded_matmul(shape, rows, amx):
+    if amx and shape[1] % kernels.AMX_WIDTH:
+        pytest.skip("AMX takes input widths that are multiples of 32")
     w, x, b = _case(*shape, rows)
-    kernel, packed = kernels.small_linear(torch.bfloat16), kernels.pack_weight(w, torch.bfloat16)
+    kernel, packed = kernels.small_linear(torch.bfloat16, amx), kernels.pack_weight(w, torch.bfloat16)
     xb = x.bfloat16()
     ref = xb.double() @ w.bfloat16().double().T + b.double()     # exact products, fp32 sums
     got = kernel(xb, packed, b, shape[0]).double()
@@ -46,21 +54,24 @@ def test_bf16_kernel_matches_rounded_matmul(shape, rows):
 
 
 @needs
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_result_independent_of_the_block_and_threads(dtype):
+@pytest.mark.parametrize("dtype,amx", [(torch.float32, False), (torch.bfloat16, False),
+                                       pytest.param(torch.bfloat16, True, id="bfloat16-amx", marks=pytest.mark.skipif(
+                                           not kernels.amx(), reason="no AMX here"))])
+def test_row_result_independent_of_the_block_and_threads(dtype, amx):
     if kernels.small_linear(dtype) is None:
         pytest.skip(kernels.why())
-    w, x, b = _case(200, 576, 19)
+    w, x, b = _case(200, 576, 37)
     x = x.to(dtype)
-    kernel, packed = kernels.small_linear(dtype), kernels.pack_weight(w, dtype)
+    kernel, packed = kernels.small_linear(dtype, amx), kernels.pack_weight(w, dtype)
     block = kernel(x, packed, b, 200)
     threads = torch.get_num_threads()
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            for r in range(19):
+            for r in range(37):
                 assert torch.equal(kernel(x[r:r + 1].contiguous(), packed, b, 200), block[r:r + 1])
             assert torch.equal(kernel(x[3:11].contiguous(), packed, b, 200), block[3:11])
+            assert torch.equal(kernel(x[5:22].contiguous(), packed, b, 200), block[5:22])   # 16 + 1 rows
     finally:
         torch.set_num_threads(threads)
 

@@ -17,6 +17,7 @@ are built (cache key, temp-dir fallback, ninja, the build lock): kernels/build.p
 """
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from pathlib import Path
@@ -38,6 +39,8 @@ LDFLAGS = ["-fopenmp", f"-Wl,-rpath,{Path(torch.__file__).parent / 'lib'}"]
 
 
 VNNI_FLAG = "avx512_vnni"       # /proc/cpuinfo's name; linear_quant's integer dot products need it
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})   # linear_bf16(amx=True) needs both (and the OS's grant)
+AMX_WIDTH = 32                  # linear_bf16(amx=True) takes input widths that are multiples of this
 
 
 class KernelState(NamedTuple):
@@ -46,6 +49,7 @@ class KernelState(NamedTuple):
     bf16: bool                  # the CPU has AVX512-BF16 (linear_bf16 may run)
     build_dir: Optional[Path] = None
     vnni: bool = False          # 4-bit GGUF codes may run on integer dot products (AVX512-VNNI)
+    amx: bool = False           # bf16 weights run on AMX tile multiplies (linear_bf16's amx)
 
 
 _STATE: Optional[KernelState] = None
@@ -80,8 +84,11 @@ def _build() -> KernelState:
         return KernelState(None, f"build failed: {type(exc).__name__}", False)
     bf16 = BF16_FLAG in flags
     vnni = VNNI_FLAG in flags and os.environ.get("EAGLE3_VNNI", "1") != "0"
-    reason = "avx512" + (" + bf16" if bf16 else " (fp32 only)") + (" + vnni" if vnni else "")
-    return KernelState(module, reason, bf16, build_dir, vnni)
+    amx = (bf16 and AMX_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
+           and bool(module.amx_permitted()))
+    reason = ("avx512" + (" + bf16" if bf16 else " (fp32 only)") + (" + vnni" if vnni else "")
+              + (" + amx" if amx else ""))
+    return KernelState(module, reason, bf16, build_dir, vnni, amx)
 
 
 def state() -> KernelState:
@@ -104,14 +111,27 @@ def parallel_threads() -> int:
     return 0 if st.module is None else int(st.module.parallel_threads())
 
 
-def small_linear(dtype: torch.dtype) -> Optional[Callable]:
-    """The kernel for weights of `dtype` (fp32 or bf16), or None where it cannot run here."""
+def small_linear(dtype: torch.dtype, amx: bool = False) -> Optional[Callable]:
+    """The kernel for weights of `dtype` (fp32 or bf16), or None where it cannot run here; amx: bf16
+    on AMX tiles (where `amx()` says so and the input width is a multiple of AMX_WIDTH)."""
     st = state()
     if st.module is None or dtype not in (torch.float32, torch.bfloat16):
         return None
     if dtype == torch.bfloat16:
-        return st.module.linear_bf16 if st.bf16 else None
+        if not st.bf16:
+            return None
+        if amx and not st.amx:
+            raise ValueError(f"small_linear(amx=True): AMX tiles are not in use here ({why()}); "
+                             "pass amx=False")
+        return functools.partial(st.module.linear_bf16, amx=amx)
     return st.module.linear_fp32
+
+
+def amx() -> bool:
+    """Whether bf16 weights run on AMX tile multiplies here (the CPU has AMX-BF16, Linux granted the
+    tiles, EAGLE3_AMX is not 0). A packed linear keeps the path it was built with: the two round
+    differently, and every call on one weight must round alike."""
+    return state().amx
 
 
 def quant_linear() -> Optional[Callable]:

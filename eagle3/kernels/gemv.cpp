@@ -18,11 +18,14 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <vector>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 namespace {
 
@@ -139,17 +142,135 @@ const TileBf16 kTilesBf16[kMaxTile] = {tile_bf16<1>, tile_bf16<2>, tile_bf16<3>,
 const TileFp32 kTilesFp32[kMaxTile] = {tile<Fp32Ops, 1>, tile<Fp32Ops, 2>, tile<Fp32Ops, 3>, tile<Fp32Ops, 4>,
                                        tile<Fp32Ops, 5>, tile<Fp32Ops, 6>, tile<Fp32Ops, 7>, tile<Fp32Ops, 8>};
 
+// --------------------------------------------------------------------- bf16 on AMX tiles
+// linear_bf16(amx=true): the same packed weight on AMX-BF16 tile multiplies, where the CPU has them
+// (Sapphire Rapids and later) and the input width is a multiple of 32. Per 32-output block and 16
+// input pairs: the rows of x (up to 16) form tile A [rows x 32 bf16], the block's halves form tiles
+// B0, B1 [16 pairs x 16 outputs x 2] (the packed rows are 128 bytes: stride 128, each half 64), and
+// tdpbf16ps accumulates C0, C1 [rows x 16 fp32]. A row of C depends only on its own row of A, and
+// the pairs are taken in one fixed order, so a row's result never depends on the call's other rows
+// (row-stable, as the vector path; the two paths round differently, so a packed weight keeps one).
+// One tile multiply does 16 x 16 x 32 products: verify blocks of 2..16 rows cost about one row.
+// Tile numbers: 0, 1 = C0, C1; 2, 5 = A; 3, 4 and 6, 7 = B0, B1 (amx_block). A thread's tiles stay
+// configured after a call (tilerelease would only make the next call's first load pay to wake
+// them). AMX instructions only in AMX functions (no -mamx-* for the file; tests/test_kernel_build.py).
+#define AMX __attribute__((target("amx-tile,amx-bf16")))
+
+constexpr int kAmxRows = 16;     // rows of x per tile pass
+constexpr int64_t kAmxPairs = 16;   // input pairs per tile multiply (64 bytes of A's row)
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// the thread's tile shapes for `rows` rows of x (every call configures: oneDNN may have changed
+// them). The configurations live in a static table: GCC's _tile_loadconfig tells the compiler it
+// reads 8 bytes, so a configuration built on the stack just before could be half stored.
+AMX void amx_configure(int rows) {
+  static const auto table = [] {
+    std::array<TileConfig, kAmxRows + 1> t{};
+    for (int r = 1; r <= kAmxRows; ++r) {
+      for (int i : {0, 1, 2, 5}) { t[r].rows[i] = (uint8_t)r; t[r].colsb[i] = 64; }
+      for (int i : {3, 4, 6, 7}) { t[r].rows[i] = (uint8_t)kAmxPairs; t[r].colsb[i] = 64; }
+    }
+    return t;
+  }();
+  _tile_loadconfig(&table[rows]);
+}
+
+// rows x [rows, ldx pairs] against one block of depth pairs (depth % 16 == 0) -> out [rows, 32].
+// Two sets of A/B tiles (2, 3, 4 and 5, 6, 7) alternate, so the next step's loads need not wait
+// for this step's multiplies to release their tiles (tiles are not renamed): at one row the loads
+// are what costs. No software prefetch: the hardware's streams do better here (a prefetch of the
+// next block, as the vector path has, cost ~15% at one row).
+AMX void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth, float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  const int64_t stride = kBlock * 4;
+  int64_t p = 0;
+  for (; p + 2 * kAmxPairs <= depth; p += 2 * kAmxPairs) {
+    const uint32_t* w1 = w + (p + kAmxPairs) * kBlock;
+    _tile_loadd(2, x + p, ldx * 4);
+    _tile_loadd(3, w + p * kBlock, stride);
+    _tile_loadd(4, w + p * kBlock + 16, stride);
+    _tile_loadd(5, x + p + kAmxPairs, ldx * 4);
+    _tile_loadd(6, w1, stride);
+    _tile_loadd(7, w1 + 16, stride);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+  }
+  if (p < depth) {
+    _tile_loadd(2, x + p, ldx * 4);
+    _tile_loadd(3, w + p * kBlock, stride);
+    _tile_loadd(4, w + p * kBlock + 16, stride);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, out, stride);
+  _tile_stored(1, out + 16, stride);
+}
+
+// may this process use AMX tiles (asked once: Linux grants the tile state per process)
+bool amx_permitted() {
+  static const bool ok = [] {
+#if defined(__linux__)
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+#else
+    return false;
+#endif
+  }();
+  return ok;
+}
+
+void run_amx(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth, const float* bias, float* y,
+             int64_t M, int64_t O) {
+  const int64_t blocks = (O + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    alignas(64) float out[kAmxRows * kBlock];
+    int configured = 0;
+    for (int64_t b = b0; b < b1; ++b) {
+      const uint32_t* wb = w + b * depth * kBlock;
+      const int valid = (int)std::min<int64_t>(kBlock, O - b * kBlock);
+      const float* bb = bias ? bias + b * kBlock : nullptr;
+      for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
+        const int mt = (int)std::min<int64_t>(kAmxRows, M - m0);
+        if (mt != configured) amx_configure(configured = mt);
+        amx_block(x + m0 * ldx, ldx, wb, depth, out);
+        for (int j = 0; j < mt; ++j)
+          store(y + (m0 + j) * O + b * kBlock, _mm512_load_ps(out + j * kBlock),
+                _mm512_load_ps(out + j * kBlock + 16), bb, valid);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // packed [O/32, I/2, 32, 2] bf16; x [M, I] bf16 with I == 2 * packed.size(1)
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                          int64_t out_features) {
+                          int64_t out_features, bool amx) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "linear_bf16 needs a CPU with AVX512-BF16; "
               "use fp32 weights (eagle3.kernels hands this kernel out only where the CPU has it)");
   check(x, packed, bias, out_features, torch::kBFloat16);
   TORCH_CHECK(x.size(1) == 2 * packed.size(1), "x width ", x.size(1), " != packed width ", 2 * packed.size(1));
   const int64_t M = x.size(0);
   auto y = torch::empty({M, out_features}, x.options().dtype(torch::kFloat32));
+  if (amx) {
+    TORCH_CHECK(packed.size(1) % kAmxPairs == 0, "linear_bf16(amx=True) needs an input width that is a "
+                "multiple of 32, got ", x.size(1), "; pass amx=False (the vector path)");
+    TORCH_CHECK(amx_permitted(), "linear_bf16(amx=True): this CPU or kernel grants no AMX tiles; pass "
+                "amx=False, or EAGLE3_AMX=0 so eagle3.kernels never asks");
+    run_amx(reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
+            reinterpret_cast<const uint32_t*>(packed.data_ptr()), packed.size(1),
+            bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, out_features);
+    return y;
+  }
   run(reinterpret_cast<const uint32_t*>(x.data_ptr()), x.size(1) / 2,
       reinterpret_cast<const uint32_t*>(packed.data_ptr()), packed.size(1),
       bias ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>(), M, out_features, kTilesBf16);
@@ -917,12 +1038,12 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
 namespace {
 
 torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& packed,
-                         const c10::optional<torch::Tensor>& bias, int64_t out_features, bool bf16) {
+                         const c10::optional<torch::Tensor>& bias, int64_t out_features, bool bf16, bool amx) {
   const int64_t rows = x.numel() / x.size(-1);
   if (packed.scalar_type() == torch::kByte)   // GGUF codes (pack_quant): fp32 activations
     return linear_quant(x.reshape({rows, x.size(-1)}).contiguous(), packed, bias, out_features);
   auto flat = x.reshape({rows, x.size(-1)}).to(bf16 ? torch::kBFloat16 : torch::kFloat32).contiguous();
-  return bf16 ? linear_bf16(flat, packed, bias, out_features) : linear_fp32(flat, packed, bias, out_features);
+  return bf16 ? linear_bf16(flat, packed, bias, out_features, amx) : linear_fp32(flat, packed, bias, out_features);
 }
 
 }  // namespace
@@ -939,6 +1060,7 @@ struct LayerWeights {
   double eps1 = 0, eps2 = 0;
   int64_t num_heads = 0, num_kv_heads = 0, intermediate = 0;
   bool bf16 = false;
+  bool amx = false;              // bf16 linears on AMX tiles (linear_bf16's amx)
 };
 
 // Rows of several sequences (continuous batching): h [1, N, H], k_buf/v_buf [slots, ...] and the
@@ -963,7 +1085,7 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
               "cos ", cos.sizes(), " must be [B, 1, T, D] with h's B, T = ", B, ", ", T);
   const int64_t end = start + T, Hq = w.num_heads, Hkv = w.num_kv_heads, I = w.intermediate;
   auto x = x_in ? *x_in : rms_norm(h, w.norm1, w.eps1);
-  auto qkv = linear_any(x, w.qkv_w, w.qkv_b, (Hq + 2 * Hkv) * D, w.bf16);
+  auto qkv = linear_any(x, w.qkv_w, w.qkv_b, (Hq + 2 * Hkv) * D, w.bf16, w.amx);
   torch::Tensor a;
   if (slot_of_row) {
     TORCH_CHECK(index_of_row && keys_of_row && !mask && B == 1 && !x_in,
@@ -976,13 +1098,13 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
     if (mask) m = mask->contiguous();
     a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
   }
-  auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), w.o_w, w.o_b, H, w.bf16);
+  auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), w.o_w, w.o_b, H, w.bf16, w.amx);
   h = h + o.view({B, T, H});
   x = rms_norm(h, w.norm2, w.eps2);
-  auto gu = linear_any(x, w.gate_up_w, c10::nullopt, 2 * I, w.bf16).view({B, T, 2 * I});
+  auto gu = linear_any(x, w.gate_up_w, c10::nullopt, 2 * I, w.bf16, w.amx).view({B, T, 2 * I});
   auto parts = gu.chunk(2, -1);
   auto act = at::silu(parts[0]) * parts[1];
-  auto d = linear_any(act, w.down_w, c10::nullopt, H, w.bf16);
+  auto d = linear_any(act, w.down_w, c10::nullopt, H, w.bf16, w.amx);
   return h + d.view({B, T, H});
 }
 
@@ -1001,7 +1123,9 @@ int64_t parallel_threads() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_bf16", &linear_bf16, "small-M linear: packed bf16 weight, bf16 x, fp32 out");
+  m.def("linear_bf16", &linear_bf16, "small-M linear: packed bf16 weight, bf16 x, fp32 out (amx: on AMX tiles)",
+        py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("amx") = false);
+  m.def("amx_permitted", &amx_permitted, "whether this process may use AMX tiles (Linux grants them per process)");
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("linear_quant", &linear_quant, "small-M linear: GGUF codes packed by pack_quant, fp32 x and out");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
@@ -1012,14 +1136,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init([](torch::Tensor norm1, torch::Tensor qkv_w, c10::optional<torch::Tensor> qkv_b,
                        torch::Tensor o_w, c10::optional<torch::Tensor> o_b, torch::Tensor norm2,
                        torch::Tensor gate_up_w, torch::Tensor down_w, double eps1, double eps2,
-                       int64_t num_heads, int64_t num_kv_heads, int64_t intermediate, bool bf16) {
+                       int64_t num_heads, int64_t num_kv_heads, int64_t intermediate, bool bf16, bool amx) {
              return LayerWeights{norm1, qkv_w, o_w, norm2, gate_up_w, down_w, qkv_b, o_b,
-                                 eps1, eps2, num_heads, num_kv_heads, intermediate, bf16};
+                                 eps1, eps2, num_heads, num_kv_heads, intermediate, bf16, amx};
            }),
            py::kw_only(), py::arg("norm1"), py::arg("qkv_w"), py::arg("qkv_b"), py::arg("o_w"),
            py::arg("o_b"), py::arg("norm2"), py::arg("gate_up_w"), py::arg("down_w"), py::arg("eps1"),
            py::arg("eps2"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("intermediate"),
-           py::arg("bf16"));
+           py::arg("bf16"), py::arg("amx") = false);
   m.def("decoder_layer", &decoder_layer, "one Llama decoder layer on the kernels (bits of the Python path)",
         py::arg("h"), py::arg("x_in"), py::arg("weights"), py::arg("cos"), py::arg("sin"),
         py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("mask"),

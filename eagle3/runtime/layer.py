@@ -63,7 +63,8 @@ class FastLayer:
         """gemv.cpp LayerWeights where the one-call layer covers this layer, else None."""
         b = self.backend
         if (b.kernels is None or not b.one_call_layers or not b.fused_rope or self.q_norm is not None
-                or not all(l.kernel_ready for l in self.linears)):
+                or not all(l.kernel_ready for l in self.linears)
+                or len({l.amx for l in self.linears}) > 1):   # LayerWeights holds one path
             return None
         norm1 = self.norm1 or Norm(self.norm2.weight, self.norm2.eps)   # unused when x_in is given
         return b.kernels.LayerWeights(
@@ -72,7 +73,7 @@ class FastLayer:
             gate_up_w=self.gate_up.small_weight, down_w=self.down_proj.small_weight,
             eps1=norm1.eps, eps2=self.norm2.eps, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, intermediate=self.down_proj.in_features,
-            bf16=self.backend.weight_dtype == torch.bfloat16)
+            bf16=self.backend.weight_dtype == torch.bfloat16, amx=self.qkv.amx)
 
     def __call__(self, h: torch.Tensor, x_in: Optional[torch.Tensor], cos: torch.Tensor,
                  sin: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, start: int,

@@ -36,13 +36,17 @@ class PackedLinear:
         self.small = None              # the small-M kernel, where this backend and dtype have one
         self.quant_types: tuple[str, ...] = ()
         self.integer_dots = False      # 4-bit codes on integer dot products (gemv.cpp nibble_tile_vnni)
+        self.amx = False               # bf16 on AMX tile multiplies (gemv.cpp run_amx)
         if backend.kernels is not None and codes:
             self.small = kernels.quant_linear()
             self.integer_dots = kernels.integer_dots() and any(c.kernel_part()[0] == 4 for c in codes)
             self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes], self.integer_dots)
             self.quant_types = tuple(c.ggml_type for c in codes)
         elif backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
-            self.small = kernels.small_linear(self.weight_dtype)
+            # bf16 on AMX tiles where the machine has them: fixed for this weight's life
+            self.amx = (self.weight_dtype == torch.bfloat16 and kernels.amx()
+                        and self.in_features % kernels.AMX_WIDTH == 0)
+            self.small = kernels.small_linear(self.weight_dtype, self.amx)
         self.small_rows = backend.kernel_rows if self.small is not None else 0
         if not self.quant_types:
             self.small_weight = kernels.pack_weight(weight, self.weight_dtype) if self.small else None

@@ -44,10 +44,10 @@ class InferenceTarget:
     @property
     def weights_name(self) -> str:
         """What the linears run: "gguf:<types>" on the file's codes (", int8 dot" where 4-bit codes
-        run on integer dot products), else the weight dtype."""
+        run on integer dot products), else the weight dtype (", amx" where bf16 runs on AMX tiles)."""
         types = sorted({t for l in self.linears for t in l.quant_types})
         if not types:
-            return str(self.backend.weight_dtype)
+            return str(self.backend.weight_dtype) + (", amx" if any(l.amx for l in self.linears) else "")
         return "gguf:" + "+".join(types) + (", int8 dot" if any(l.integer_dots for l in self.linears) else "")
 
     @property
