@@ -146,18 +146,23 @@ class ThreadGovernor:
     def active(self) -> bool:
         return self.high > 1
 
-    def before_step(self) -> None:
+    def before_step(self, hold: bool = False) -> bool:
+        """Set the step's thread count; True when the step runs on the probed count (its time then
+        speaks for the other count). hold: a probe due now waits for the next step (the adaptive
+        step's own probe is due: both start at 16 steps and double, so they fell on the same steps
+        and every shape the policy probed ran on one thread, ~2x slow, and lost to plain decoding)."""
         import torch
         if not self.active:
-            return
+            return False
         self.since_probe += 1
         want = self.chosen
-        if self.since_probe >= self.probe_every:
+        if self.since_probe >= self.probe_every and not hold:
             want, self.since_probe = self.other(self.chosen), 0
         if want != self.current:
             torch.set_num_threads(want)
             self.current = want
         self.t0 = time.perf_counter()
+        return want != self.chosen
 
     def after_step(self) -> None:
         if not self.active:

@@ -212,3 +212,15 @@ def test_sampled_requests_get_the_shallow_shapes_and_a_longer_memory(monkeypatch
     assert sampled.shapes == SAMPLED_SHAPES and sampled.memory == SAMPLED_MEMORY > greedy.memory
     assert max(s.depth for s in SAMPLED_SHAPES) < max(s.depth for s in DEFAULT_SHAPES)
     assert adaptive_policy(None, None, shapes=(CHAIN,))(False).shapes == (CHAIN,)
+
+
+def test_an_untimed_step_counts_its_tokens_but_not_its_time():
+    """A step the thread governor ran on its probed count (timed=False) says nothing of the arm's cost."""
+    policy = AdaptivePolicy((TREE,), TABLE)
+    feed(policy, TREE, 3, 7, 5)
+    ratio, overhead = policy.stats[TREE].correction, policy.overhead_ms
+    policy.observe(TREE, Step([0] * 4, 3, proposed=7), 5, 500.0, timed=False)
+    assert policy.stats[TREE].correction == ratio and policy.overhead_ms == overhead
+    assert policy.stats[TREE].steps == 2 and policy.stats[TREE].tokens.value == 4
+    policy.observe(TREE, Step([0] * 4, 3, proposed=7), 5, 500.0)
+    assert policy.stats[TREE].correction > ratio

@@ -185,3 +185,51 @@ def test_the_servers_workers_hand_over_the_cores(monkeypatch):
         await worker.stop()
     asyncio.run(cycle())
     assert calls == [1]
+
+
+def test_the_governors_probe_and_the_adaptive_steps_probe_never_share_a_step(monkeypatch):
+    """Both probe after 16 steps and double the wait: they fell on the same steps, so every shape the
+    policy probed ran on one thread (~2x slow at T=1 on the 2-core Xeon) and lost to plain decoding.
+    Through Engine.decode_step: the governor holds its probe while the policy's is due, and a step
+    the governor ran on the probed count is not timed for the policy."""
+    from types import SimpleNamespace
+    from eagle3.generate.engine import Engine
+    from eagle3.runtime.costs import CostTable
+    from eagle3.speculative.policy import PLAIN, AdaptivePolicy
+    from eagle3.speculative.step import Step
+    from eagle3.speculative.tree import SpecParams
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    costs = CostTable((1, 2, 4, 8), (10.0, 10.5, 11.0, 13.0), (1.0, 1.0, 1.1, 1.3))
+    policy = AdaptivePolicy((SpecParams(4, 5, 8, 0.0),), costs)
+    gov = threads.ThreadGovernor()
+    seen = []
+
+    class Decoder:
+        timed = True
+
+        def __init__(self):
+            self.policy = policy
+
+        def step(self):
+            probe = policy.probe_due and policy.steps > 2
+            arm = policy.choose()
+            one_thread = torch.get_num_threads() == 1
+            seen.append((probe, one_thread, self.timed))
+            rows = 1 if arm == PLAIN else 8
+            policy.observe(arm, Step([0], 0, proposed=rows - 1), 0 if arm == PLAIN else 5,
+                           10.0 if arm == PLAIN else 30.0, timed=self.timed)   # drafting never pays
+            return Step([0], 0)
+
+    try:
+        engine, decoder = SimpleNamespace(governor=gov), Decoder()
+        for _ in range(300):
+            Engine.decode_step(engine, decoder)
+        policy_probes = [i for i, (p, _, _) in enumerate(seen) if p]
+        governor_probes = [i for i, (_, one, _) in enumerate(seen) if one]
+        assert len(policy_probes) >= 3 and len(governor_probes) >= 3, (policy_probes, governor_probes)
+        assert not set(policy_probes) & set(governor_probes), (policy_probes, governor_probes)
+        assert all(timed != one for _, one, timed in seen)      # one-thread steps are not timed
+    finally:
+        gov.restore()
+        torch.set_num_threads(before)

@@ -143,9 +143,14 @@ class Engine:
             yield self.decode_step(decoder)
 
     def decode_step(self, decoder: Decoder) -> Step:
-        """One decode step on the thread count the governor chooses (also the batch's solo steps)."""
+        """One decode step on the thread count the governor chooses (also the batch's solo steps).
+        The governor's probe of another thread count and the adaptive step's probe of another arm
+        never share a step, and the policy does not time a step run on the probed count."""
+        policy = getattr(decoder, "policy", None)
         if self.governor is not None:
-            self.governor.before_step()
+            probing = self.governor.before_step(hold=policy is not None and policy.probe_due)
+            if policy is not None:
+                decoder.timed = not probing
         step = decoder.step()
         if self.governor is not None:
             self.governor.after_step()

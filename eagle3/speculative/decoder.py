@@ -74,6 +74,7 @@ class SpecDecoder:
                  policy: Optional[AdaptivePolicy] = None):
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
+        self.timed = True      # the next step runs on the chosen thread count (Engine.decode_step)
         cfg = draft.config
         self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
         self.suffix_only_tokens = policy.suffix_only_tokens if policy else 0
@@ -143,7 +144,7 @@ class SpecDecoder:
             rows, ms = self.caught_up
             self.policy.observe_catch_up(rows, ms)
             wall_ms -= ms
-        self.policy.observe(arm, step, self.levels, wall_ms)
+        self.policy.observe(arm, step, self.levels, wall_ms, timed=self.timed)
         return step._replace(arm=name_of(arm))
 
     def plain_step(self) -> Step:

@@ -162,7 +162,7 @@ class AdaptivePolicy:
         best = max(arms, key=self.rate)
         self._follow(max(self.arms(), key=self.rate))
         others = [a for a in arms if a != best]
-        if self.probe_every and self.steps >= self.next_probe and others:
+        if self.probe_due and others:
             self.interval = min(2 * self.interval, self.max_probe_every)
             self.next_probe = self.steps + self.interval
             return min(others, key=lambda a: self.stats[a].last_step)
@@ -197,8 +197,15 @@ class AdaptivePolicy:
         return self.costs.target(rows) + draft
 
     # ------------------------------------------------------------------ feedback
-    def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float) -> None:
-        """One step taken with `arm`: its Step, the draft forwards it ran, its wall time."""
+    @property
+    def probe_due(self) -> bool:
+        """The next choice may be a probe (the thread governor then holds its own)."""
+        return bool(self.probe_every) and self.steps >= self.next_probe
+
+    def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float, timed: bool = True) -> None:
+        """One step taken with `arm`: its Step, the draft forwards it ran, its wall time. timed=False:
+        the step ran on a thread count the governor was probing, so its time is not the arm's (its
+        tokens, rows and levels still count)."""
         if wall_ms <= 0:
             raise InputError(f"AdaptivePolicy.observe wall_ms must be > 0, got {wall_ms}; pass the "
                              f"step's measured wall time in ms")
@@ -211,6 +218,8 @@ class AdaptivePolicy:
         s.levels.add(levels)
         s.steps += 1
         s.last_step = self.steps
+        if not timed:
+            return
         if isinstance(arm, SpecParams):                    # the drafting steps' bookkeeping
             self.overhead.add(max(wall_ms - self._forwards_ms(arm, rows, levels), 0.0))
         s.ratio.add(wall_ms / self.table_ms(arm, rows, levels))
