@@ -109,16 +109,18 @@ def gguf_codes(target, source):
 def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     """The adaptive step's policy factory for this target/draft pair, called with `greedy`: the
     machine's cost table (runtime.costs, measured once and cached) and the shapes to choose among
-    (policy.DEFAULT_SHAPES for greedy requests, SAMPLED_SHAPES with SAMPLED_MEMORY for sampled
-    ones; `shapes` given: those for both)."""
+    (policy.DEFAULT_SHAPES for greedy requests, SAMPLED_SHAPES with SAMPLED_MEMORY and
+    SAMPLED_PROBE_STEPS for sampled ones; `shapes` given: those for both)."""
     from .runtime.costs import machine_costs
-    from .speculative.policy import DEFAULT_SHAPES, SAMPLED_MEMORY, SAMPLED_SHAPES, AdaptivePolicy
+    from .speculative.policy import (DEFAULT_SHAPES, SAMPLED_MEMORY, SAMPLED_PROBE_STEPS, SAMPLED_SHAPES,
+                                     AdaptivePolicy)
     costs = machine_costs(target, draft, remeasure=remeasure)
 
     def make(greedy: bool = True) -> AdaptivePolicy:
         if greedy:
             return AdaptivePolicy(tuple(shapes or DEFAULT_SHAPES), costs)
-        return AdaptivePolicy(tuple(shapes or SAMPLED_SHAPES), costs, memory=SAMPLED_MEMORY)
+        return AdaptivePolicy(tuple(shapes or SAMPLED_SHAPES), costs, memory=SAMPLED_MEMORY,
+                              probe_steps=SAMPLED_PROBE_STEPS)
     return make
 
 

@@ -224,3 +224,34 @@ def test_an_untimed_step_counts_its_tokens_but_not_its_time():
     assert policy.stats[TREE].steps == 2 and policy.stats[TREE].tokens.value == 4
     policy.observe(TREE, Step([0] * 4, 3, proposed=7), 5, 500.0)
     assert policy.stats[TREE].correction > ratio
+
+
+def test_a_probe_runs_probe_steps_steps(monkeypatch):
+    """Sampled requests: one step's acceptance is a coin flip, so a first try and each probe run
+    probe_steps steps (the factory gives SAMPLED_PROBE_STEPS); the governor sees probe_due all along."""
+    import eagle3.runtime.costs as costs_module
+    from eagle3.speculative.policy import SAMPLED_PROBE_STEPS
+    policy = AdaptivePolicy((TREE, CHAIN), TABLE, probe_steps=4)
+    first = []
+    for _ in range(8):
+        arm = policy.choose()
+        first.append(arm)
+        feed(policy, arm, 0, 7 if arm == TREE else 3, 5 if arm == TREE else 3)   # nothing accepted
+    assert first == [TREE] * 4 + [CHAIN] * 4
+    runs = []
+    for _ in range(60):
+        due = policy.probe_due
+        arm = policy.choose()
+        runs.append((arm, due))
+        feed(policy, arm, 0, 0 if arm == PLAIN else 7 if arm == TREE else 3,
+             0 if arm == PLAIN else 5 if arm == TREE else 3)
+    probes = [i for i, (arm, _) in enumerate(runs) if arm != PLAIN]
+    assert probes and len(probes) % 4 == 0, probes
+    assert all(probes[i + 3] == probes[i] + 3 for i in range(0, len(probes), 4)), probes
+    assert all(due for arm, due in runs if arm != PLAIN)
+    with pytest.raises(InputError, match="probe_steps must be >= 1"):
+        AdaptivePolicy((TREE,), TABLE, probe_steps=0)
+    from eagle3.api import adaptive_policy
+    monkeypatch.setattr(costs_module, "machine_costs", lambda *args, **kwargs: TABLE)
+    make = adaptive_policy(None, None)
+    assert make(False).probe_steps == SAMPLED_PROBE_STEPS > 1 and make(True).probe_steps == 1

@@ -203,7 +203,8 @@ def test_the_governors_probe_and_the_adaptive_steps_probe_never_share_a_step(mon
     costs = CostTable((1, 2, 4, 8), (10.0, 10.5, 11.0, 13.0), (1.0, 1.0, 1.1, 1.3))
     policy = AdaptivePolicy((SpecParams(4, 5, 8, 0.0),), costs)
     gov = threads.ThreadGovernor()
-    seen = []
+    seen, now = [], [0.0]
+    monkeypatch.setattr(threads.time, "perf_counter", lambda: now[0])   # 2 threads beat 1
 
     class Decoder:
         timed = True
@@ -216,6 +217,7 @@ def test_the_governors_probe_and_the_adaptive_steps_probe_never_share_a_step(mon
             arm = policy.choose()
             one_thread = torch.get_num_threads() == 1
             seen.append((probe, one_thread, self.timed))
+            now[0] += 1 / 74 if one_thread else 1 / 110
             rows = 1 if arm == PLAIN else 8
             policy.observe(arm, Step([0], 0, proposed=rows - 1), 0 if arm == PLAIN else 5,
                            10.0 if arm == PLAIN else 30.0, timed=self.timed)   # drafting never pays

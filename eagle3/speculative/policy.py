@@ -41,7 +41,10 @@ found after a fallback. The first probe comes at step probe_every - 1; each prob
 interval to the next (up to max_probe_every), and the interval restarts at probe_every when the
 leading arm among the shapes and plain changes (a probe that changed the choice, or the averages
 moving). So a stable choice spends few steps on probes: at T=1, where plain wins most steps, a
-probe every 16 steps was a speculative step that did not pay.
+probe every 16 steps was a speculative step that did not pay. A first try and a probe each run
+`probe_steps` steps: sampled requests take SAMPLED_PROBE_STEPS, since one step's acceptance there is
+a coin flip (~0.3) and three single-step tries left a paying shape at "1.0 tokens a step" (24% of the
+time for a 0.31 shape) behind plain decoding, probed again only every 16..128 steps.
 Choosing never changes what is emitted: every arm is lossless.
 """
 from __future__ import annotations
@@ -73,6 +76,7 @@ DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8
 # (24 x 128 at T=1, bf16: 1.01x plain with 0.9, 1.08x with 0.97; the fixed 3-sibling tree 1.01-1.09x).
 SAMPLED_SHAPES = (SpecParams(3, 1, 4, 0.0), SpecParams(7, 1, 8, 0.0), SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
 SAMPLED_MEMORY = 0.97
+SAMPLED_PROBE_STEPS = 4
 
 
 @dataclass
@@ -114,6 +118,7 @@ class AdaptivePolicy:
     allow_plain: bool = True
     correct_costs: bool = True                 # False: cost = the table's, uncorrected
     suffix_only_tokens: Optional[int] = None   # None: the largest shape's verify block - 1; 0: no arm
+    probe_steps: int = 1                       # steps an arm runs when first tried or probed
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
     steps: int = 0
@@ -133,6 +138,9 @@ class AdaptivePolicy:
         self.interval = self.probe_every       # steps from the last probe to the next one
         self.next_probe = self.probe_every - 1
         self.leader: Optional[Arm] = None      # the best of the shapes and plain at the last choice
+        self.run: tuple[Optional[Arm], int] = (None, 0)   # a probe under way: its arm, steps left
+        if self.probe_steps < 1:
+            raise InputError(f"AdaptivePolicy probe_steps must be >= 1, got {self.probe_steps}")
 
     def _suffix_budget(self, tokens: Optional[int]) -> int:
         """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder)."""
@@ -156,16 +164,23 @@ class AdaptivePolicy:
 
     def choose(self, suffix_ready: bool = False) -> Arm:
         arms = self.arms(suffix_ready)
-        untried = [a for a in arms if a != PLAIN and self.stats[a].steps == 0]
+        untried = [a for a in arms if a != PLAIN and self.stats[a].steps < self.probe_steps]
         if untried:
             return untried[0]
+        arm, left = self.run
+        if left and arm in arms:                   # a probe runs probe_steps steps
+            self.run = (arm, left - 1)
+            return arm
+        self.run = (None, 0)
         best = max(arms, key=self.rate)
         self._follow(max(self.arms(), key=self.rate))
         others = [a for a in arms if a != best]
         if self.probe_due and others:
             self.interval = min(2 * self.interval, self.max_probe_every)
             self.next_probe = self.steps + self.interval
-            return min(others, key=lambda a: self.stats[a].last_step)
+            probe = min(others, key=lambda a: self.stats[a].last_step)
+            self.run = (probe, self.probe_steps - 1)
+            return probe
         return best
 
     def _follow(self, best: Arm) -> None:
@@ -200,7 +215,7 @@ class AdaptivePolicy:
     @property
     def probe_due(self) -> bool:
         """The next choice may be a probe (the thread governor then holds its own)."""
-        return bool(self.probe_every) and self.steps >= self.next_probe
+        return self.run[1] > 0 or (bool(self.probe_every) and self.steps >= self.next_probe)
 
     def observe(self, arm: Arm, step: Step, levels: int, wall_ms: float, timed: bool = True) -> None:
         """One step taken with `arm`: its Step, the draft forwards it ran, its wall time. timed=False:
