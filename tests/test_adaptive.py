@@ -33,6 +33,7 @@ class Scripted:
     """A policy that takes the arms of `script` in turn (plain steps between trees, shape changes);
     SUFFIX_ONLY at a step where the suffix index has no match is a plain step."""
     suffix_only_tokens = 6
+    probe_due = False
 
     def __init__(self, script):
         self.script, self.i, self.taken = script, 0, []
@@ -44,7 +45,7 @@ class Scripted:
         self.taken.append(PLAIN if arm == SUFFIX_ONLY and not suffix_ready else arm)
         return self.taken[-1]
 
-    def observe(self, arm, step, levels, wall_ms):
+    def observe(self, arm, step, levels, wall_ms, timed=True):
         self.observed = getattr(self, "observed", []) + [(arm, levels, wall_ms)]
 
     def observe_catch_up(self, rows, ms):
