@@ -358,3 +358,19 @@ def test_bench_main_quick_on_the_real_model(tmp_path, capsys):
     assert "ours-plain" in out and "hf-generate" in out
     doc = json.loads((tmp_path / "bench.json").read_text())
     assert {r["system"] for r in doc["records"]} == {"ours-plain", "hf-generate"}
+
+
+def test_a_llama_cpp_binding_that_crashes_is_skipped_with_the_rebuild(monkeypatch, tmp_path):
+    """The binding runs in our process: a segfault there (a native llama-cpp-python build's AMX
+    kernels on Sapphire Rapids) took the whole bench run with it. A child generates first."""
+    from eagle3.bench import llamacpp
+    gguf = tmp_path / "m.gguf"
+    monkeypatch.setattr(llamacpp, "SMOKE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    why = llamacpp.binding_crash(gguf, 2)
+    assert why and "crashed generating from m.gguf (signal 11" in why and "GGML_NATIVE=OFF" in why
+    monkeypatch.setattr(llamacpp, "SMOKE", "import sys; assert sys.argv[1:] == ['%s', '2']" % gguf)
+    assert llamacpp.binding_crash(gguf, 2) is None
+    monkeypatch.setattr(llamacpp, "binding_crash", lambda *a: "crashed")
+    monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: object())
+    systems, skipped = llamacpp.build_binding(gguf, 2, 64, 10)
+    assert systems == [] and skipped == [("llama.cpp", "crashed"), ("llama.cpp-prompt-lookup", "crashed")]

@@ -67,6 +67,9 @@ def build_binding(gguf: Path, threads: int, n_ctx: int, prompt_lookup: int
         reason = ("llama-cpp-python is not installed (CMAKE_BUILD_PARALLEL_LEVEL=1 nice -n 19 "
                   "pip install llama-cpp-python==0.3.36; builds from source)")
         return [], [(n, reason) for n in names]
+    crash = binding_crash(gguf, threads)
+    if crash:
+        return [], [(n, crash) for n in names]
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     common = dict(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
@@ -74,6 +77,38 @@ def build_binding(gguf: Path, threads: int, n_ctx: int, prompt_lookup: int
     plain = Llama(**common)
     pld = Llama(**common, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup))
     return [LlamaCppSystem(names[0], plain), LlamaCppSystem(names[1], pld)], []
+
+
+# the binding generates two tokens from the GGUF in a child first: a crash there (a native build's
+# AMX kernels segfault on the 2-core Sapphire Rapids VM, ggml_backend_amx_mul_mat on Q4_1) would
+# otherwise take the whole bench run with it
+SMOKE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=64, n_threads=int(sys.argv[2]), verbose=False)
+llm.reset()
+for i, _ in enumerate(llm.generate([1, 2, 3], temp=0.0)):
+    if i == 1:
+        break
+"""
+NO_AMX_BUILD = ('CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON '
+                '-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON" pip install '
+                '--force-reinstall --no-deps --no-cache-dir llama-cpp-python==0.3.36')
+
+
+def binding_crash(gguf: Path, threads: int, timeout: float = 300) -> Optional[str]:
+    """None when the binding runs the GGUF in a child process; else why the llama.cpp systems skip."""
+    try:
+        out = subprocess.run([sys.executable, "-c", SMOKE, str(gguf), str(threads)], capture_output=True,
+                             text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"llama-cpp-python did not generate 2 tokens from {gguf.name} in {timeout:.0f} s"
+    if out.returncode == 0:
+        return None
+    how = f"signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
+    tail = (out.stderr.strip().splitlines() or [""])[-1][:200]
+    return (f"llama-cpp-python crashed generating from {gguf.name} ({how}{': ' + tail if tail else ''}); "
+            f"a native build's AMX kernels do so on some CPUs, rebuild without them: {NO_AMX_BUILD}")
 
 
 # ---------------------------------------------------------------------------- EAGLE-3 binary
