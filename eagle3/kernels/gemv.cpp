@@ -153,12 +153,22 @@ const TileFp32 kTilesFp32[kMaxTile] = {tile<Fp32Ops, 1>, tile<Fp32Ops, 2>, tile<
 // One tile multiply does 16 x 16 x 32 products: verify blocks of 2..16 rows cost about one row.
 // Tile numbers: 0, 1 = C0, C1; 2, 5 = A; 3, 4 and 6, 7 = B0, B1 (amx_block). A thread's tiles stay
 // configured after a call (tilerelease would only make the next call's first load pay to wake
-// them). AMX instructions only in AMX functions (no -mamx-* for the file; tests/test_kernel_build.py).
+// them). AMX instructions only in AMX functions (no -mamx-* for the file; tests/test_amx.py).
+// A compiler without AMX intrinsics (GCC < 11, clang < 12) builds everything else: amx_permitted()
+// is then false and eagle3.kernels never asks for tiles.
+#ifndef EAGLE3_AMX_BUILT
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
+#define EAGLE3_AMX_BUILT 1
+#else
+#define EAGLE3_AMX_BUILT 0
+#endif
+#endif
 #define AMX __attribute__((target("amx-tile,amx-bf16")))
 
 constexpr int kAmxRows = 16;     // rows of x per tile pass
 constexpr int64_t kAmxPairs = 16;   // input pairs per tile multiply (64 bytes of A's row)
 
+#if EAGLE3_AMX_BUILT
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
   uint8_t reserved[14] = {};
@@ -215,10 +225,12 @@ AMX void amx_block(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t de
   _tile_stored(1, out + 16, stride);
 }
 
+#endif  // EAGLE3_AMX_BUILT
+
 // may this process use AMX tiles (asked once: Linux grants the tile state per process)
 bool amx_permitted() {
   static const bool ok = [] {
-#if defined(__linux__)
+#if defined(__linux__) && EAGLE3_AMX_BUILT
     constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;
     return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
 #else
@@ -240,8 +252,12 @@ void run_amx(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth, c
       const float* bb = bias ? bias + b * kBlock : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
         const int mt = (int)std::min<int64_t>(kAmxRows, M - m0);
+#if EAGLE3_AMX_BUILT
         if (mt != configured) amx_configure(configured = mt);
         amx_block(x + m0 * ldx, ldx, wb, depth, out);
+#else
+        TORCH_CHECK(false, "run_amx: this build has no AMX code (linear_bf16 checks amx_permitted first)");
+#endif
         for (int j = 0; j < mt; ++j)
           store(y + (m0 + j) * O + b * kBlock, _mm512_load_ps(out + j * kBlock),
                 _mm512_load_ps(out + j * kBlock + 16), bb, valid);
