@@ -3,7 +3,6 @@ path per weight. The kernel's numbers (rounded matmul, row stability over thread
 up to 40 rows) are in test_kernels.py, parametrised over both bf16 paths."""
 import re
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -89,16 +88,8 @@ def test_amx_refuses_a_width_it_cannot_tile_naming_the_fix():
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 def test_amx_instructions_sit_only_in_the_attributed_functions():
     """No -mamx-* for the whole file: a CPU without AMX runs every other kernel."""
-    so = Path(kernels.state().module.__file__)
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", str(so)], capture_output=True,
-                          text=True, check=True).stdout
-    holders, name = set(), None
-    for line in text.splitlines():
-        head = re.match(r"^[0-9a-f]+ <(.*)>:$", line)
-        if head:
-            name = head.group(1)
-        elif name and any(re.search(rf"\b{op}\b", line) for op in AMX_OPS):
-            holders.add(name)
+    from test_kernel_build import _functions_with
+    holders = _functions_with(Path(kernels.state().module.__file__), AMX_OPS)
     assert holders, "linear_bf16's tile multiplies are gone"
     assert all(re.search(r"\bamx_(block|configure)\(", f) for f in holders), sorted(holders)
     assert not any("amx" in flag for flag in kernels.CFLAGS)

@@ -242,6 +242,9 @@ bool amx_permitted() {
 
 void run_amx(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth, const float* bias, float* y,
              int64_t M, int64_t O) {
+#if !EAGLE3_AMX_BUILT
+  TORCH_CHECK(false, "run_amx: this build has no AMX code (linear_bf16 checks amx_permitted first)");
+#else
   const int64_t blocks = (O + kBlock - 1) / kBlock;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float out[kAmxRows * kBlock];
@@ -252,18 +255,15 @@ void run_amx(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t depth, c
       const float* bb = bias ? bias + b * kBlock : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kAmxRows) {
         const int mt = (int)std::min<int64_t>(kAmxRows, M - m0);
-#if EAGLE3_AMX_BUILT
         if (mt != configured) amx_configure(configured = mt);
         amx_block(x + m0 * ldx, ldx, wb, depth, out);
-#else
-        TORCH_CHECK(false, "run_amx: this build has no AMX code (linear_bf16 checks amx_permitted first)");
-#endif
         for (int j = 0; j < mt; ++j)
           store(y + (m0 + j) * O + b * kBlock, _mm512_load_ps(out + j * kBlock),
                 _mm512_load_ps(out + j * kBlock + 16), bb, valid);
       }
     }
   });
+#endif
 }
 
 }  // namespace
