@@ -1,4 +1,6 @@
 """The small-M CPU linear kernels: values, row stability, and their use in PackedLinear."""
+import contextlib
+
 import pytest
 import torch
 
@@ -162,6 +164,67 @@ def test_fused_attention_matches_fp64_and_rows_are_independent(head_dim):
                            out[:, :, t:t + 1])
     causal = attn(q[:, :, :1].contiguous(), k, v, None)
     assert torch.allclose(causal, row_stable_attention(q[:, :, :1], k, v, None), atol=2e-6)
+
+
+@needs
+@pytest.mark.parametrize("heads,kv_heads,head_dim,rows", [
+    (9, 3, 64, 16),       # SmolLM2's group of 3: five rows (15 lanes) a pass
+    (14, 2, 64, 13),      # Qwen2.5-0.5B's group of 7: two rows a pass
+    (4, 4, 128, 37),      # no GQA, head_dim 128: sixteen rows a pass, and a ragged last pass
+    (8, 2, 128, 3),
+])
+def test_a_block_of_query_rows_in_one_pass_gives_each_row_its_bits_alone(heads, kv_heads, head_dim, rows):
+    """A verify block's rows share each key's loads (a zmm lane per row and head). Each lane must add
+    exactly as one row alone does (dots16's tree, the sums in key order), whatever the mask, the
+    rows around it and the thread count: a verify token then equals one-token decode bit for bit."""
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(rows)
+    S = 150
+    k_buf, v_buf = torch.randn(1, kv_heads, S + 9, head_dim, generator=g), torch.randn(1, kv_heads, S + 9, head_dim, generator=g)
+    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
+    q = torch.randn(1, heads, rows, head_dim, generator=g) * 3
+    tree = torch.ones(1, 1, rows, S, dtype=torch.bool)       # the context, then a random tree block
+    tree[..., S - rows:] = torch.rand(rows, rows, generator=g) > 0.5
+    tree[..., S - rows:] &= torch.tril(torch.ones(rows, rows, dtype=torch.bool))
+    tree[..., S - rows:] |= torch.eye(rows, dtype=torch.bool)
+    scattered = torch.rand(1, 1, rows, S, generator=g) > 0.3   # no context every row shares
+    scattered[..., 0] = True
+    for mask in (tree, scattered, None):
+        for threads in (1, 2):
+            with one_thread_count(threads):
+                out = attn(q, k, v, mask)
+            for t in range(rows):
+                alone = attn(q[:, :, t:t + 1].contiguous(), k, v,
+                             None if mask is None else mask[:, :, t:t + 1].contiguous())
+                assert torch.equal(alone, out[:, :, t:t + 1]), (threads, t)
+    from eagle3.runtime.backend import row_stable_attention
+    assert torch.allclose(out, row_stable_attention(q, k, v, None), atol=2e-6)
+
+
+@needs
+def test_rows_of_several_sequences_in_one_pass_give_each_row_its_bits_alone():
+    """Continuous batching: a pass holds rows of one slot only, and a row sees its own key count."""
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(5)
+    k_buf, v_buf = torch.randn(3, 3, 120, 64, generator=g), torch.randn(3, 3, 120, 64, generator=g)
+    slot = torch.tensor([0] * 7 + [2] + [1] * 12 + [0] * 3)
+    keys = torch.tensor(list(range(40, 47)) + [9] + list(range(80, 92)) + [5, 6, 7])
+    q = torch.randn(1, 9, len(slot), 64, generator=g)
+    out = attn(q, k_buf, v_buf, None, slot, keys)
+    for t in range(len(slot)):
+        s, n = int(slot[t]), int(keys[t])
+        alone = attn(q[:, :, t:t + 1].contiguous(), k_buf[s:s + 1, :, :n], v_buf[s:s + 1, :, :n], None)
+        assert torch.equal(alone, out[:, :, t:t + 1]), t
+
+
+@contextlib.contextmanager
+def one_thread_count(n):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs

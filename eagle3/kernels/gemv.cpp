@@ -422,10 +422,10 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 namespace {
 
-// out_i[0..16*ND) = inv_i * sum_j p_i[j] * v[j] for G rows sharing v, j in order for each row
-// (the same additions as one row alone: rows only share the loads of v)
+// out_i[0..16*ND) = inv_i * sum_j p_i[j * ps] * v[j] for G rows sharing v, j in order for each
+// row (the same additions as one row alone: rows only share the loads of v)
 template <int ND, int G>
-inline void weighted_sums(const float* const* p, const float* v, int64_t ldv, int64_t S,
+inline void weighted_sums(const float* const* p, int64_t ps, const float* v, int64_t ldv, int64_t S,
                           const float* inv, float* const* out) {
   __m512 a[G][ND];
   for (int i = 0; i < G; ++i)
@@ -434,7 +434,7 @@ inline void weighted_sums(const float* const* p, const float* v, int64_t ldv, in
     __m512 vj[ND];
     for (int d = 0; d < ND; ++d) vj[d] = _mm512_loadu_ps(v + j * ldv + 16 * d);
     for (int i = 0; i < G; ++i) {
-      const __m512 pj = _mm512_set1_ps(p[i][j]);
+      const __m512 pj = _mm512_set1_ps(p[i][j * ps]);
       for (int d = 0; d < ND; ++d) a[i][d] = _mm512_fmadd_ps(pj, vj[d], a[i][d]);
     }
   }
@@ -445,26 +445,126 @@ inline void weighted_sums(const float* const* p, const float* v, int64_t ldv, in
 }
 
 template <int ND>
-void weighted_sums_rows(const float* const* p, const float* v, int64_t ldv, int64_t S,
+void weighted_sums_rows(const float* const* p, int64_t ps, const float* v, int64_t ldv, int64_t S,
                         const float* inv, float* const* out, int64_t rows) {
   // up to G rows at a time (G * ND accumulators stay in the 32 zmm registers; more rows, more
   // independent FMA chains): a GQA group of 3 query heads is one pass of 3, not three of 1
   constexpr int G = ND <= 4 ? 4 : 2;
   int64_t i = 0;
-  for (; i + G <= rows; i += G) weighted_sums<ND, G>(p + i, v, ldv, S, inv + i, out + i);
+  for (; i + G <= rows; i += G) weighted_sums<ND, G>(p + i, ps, v, ldv, S, inv + i, out + i);
   if constexpr (G > 3) {
     if (rows - i == 3) {
-      weighted_sums<ND, 3>(p + i, v, ldv, S, inv + i, out + i);
+      weighted_sums<ND, 3>(p + i, ps, v, ldv, S, inv + i, out + i);
       i += 3;
     }
   }
   if constexpr (G > 2) {
     if (rows - i >= 2) {
-      weighted_sums<ND, 2>(p + i, v, ldv, S, inv + i, out + i);
+      weighted_sums<ND, 2>(p + i, ps, v, ldv, S, inv + i, out + i);
       i += 2;
     }
   }
-  for (; i < rows; ++i) weighted_sums<ND, 1>(p + i, v, ldv, S, inv + i, out + i);
+  for (; i < rows; ++i) weighted_sums<ND, 1>(p + i, ps, v, ldv, S, inv + i, out + i);
+}
+
+// ---- several query rows of one kv head in one pass: a zmm lane per (row, head of the group)
+
+// reduce16's tree, leaf by leaf: ((0+8)+(4+12)) + ((2+10)+(6+14)) for the even lanes, the odd
+// lanes likewise, then the two halves
+constexpr int kLeaves[2][8] = {{0, 8, 4, 12, 2, 10, 6, 14}, {1, 9, 5, 13, 3, 11, 7, 15}};
+
+inline __m512 tree8(const __m512* a) {
+  return _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])),
+                       _mm512_add_ps(_mm512_add_ps(a[4], a[5]), _mm512_add_ps(a[6], a[7])));
+}
+
+// lane i of s0 (s1) = dot(q_i, key k0 (k1)) for the queries of qt (qt[16 d + i] = q_i[d], D = 16
+// NC), each made of dots16's additions: per lane of a 16-wide chunk, the chunks' products chained
+// in order, then those 16 partial sums added in reduce16's tree. So a lane equals dots16's lane
+// for the same query and key, bit for bit, and the keys' loads are shared by every query.
+template <int NC>
+inline void lane_dots2(const float* qt, const float* k0, const float* k1, __m512& s0, __m512& s1) {
+  __m512 w0[2], w1[2];
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; ++h) {
+    __m512 a[8], b[8];
+    for (int i = 0; i < 8; ++i) a[i] = b[i] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c)
+#pragma GCC unroll 8
+      for (int i = 0; i < 8; ++i) {      // unrolled: the offsets are constants
+        const int d = 16 * c + kLeaves[h][i];
+        const __m512 qv = _mm512_loadu_ps(qt + 16 * d);
+        a[i] = _mm512_fmadd_ps(qv, _mm512_set1_ps(k0[d]), a[i]);
+        b[i] = _mm512_fmadd_ps(qv, _mm512_set1_ps(k1[d]), b[i]);
+      }
+    w0[h] = tree8(a);
+    w1[h] = tree8(b);
+  }
+  s0 = _mm512_add_ps(w0[0], w0[1]);
+  s1 = _mm512_add_ps(w1[0], w1[1]);
+}
+
+// The `lanes` = rows x group queries of one kv head (lane r * group + i: row r, head i), over keys
+// [0, S): row r sees key s where s < keys[r] and (mask[r] null or mask[r][s]). Every lane does the
+// one-row path's arithmetic (its dot products, max, exponentials, a sum over the keys in order,
+// weighted sums in order; keys a row does not see add exact zeros), so a row's bits do not depend
+// on the rows it shares the pass with. qt: 16 D floats, sc: 16 S floats of scratch.
+template <int ND>
+void attention_lanes(const float* const* q, float* const* out, int64_t rows, int64_t group,
+                     const float* kb, int64_t ldk, const float* vb, int64_t ldv, int64_t S,
+                     const bool* const* mask, const int64_t* keys, float scale, float* qt, float* sc) {
+  constexpr int64_t D = 16 * ND;
+  const int64_t lanes = rows * group;
+  std::fill(qt, qt + 16 * D, 0.0f);
+  for (int64_t i = 0; i < lanes; ++i)
+    for (int64_t d = 0; d < D; ++d) qt[16 * d + i] = q[i][d];
+  const __mmask16 row_bits = (__mmask16)((1u << group) - 1);
+  const __mmask16 all = (__mmask16)((1u << lanes) - 1);
+  int64_t open = S;                  // keys [0, open) are seen by every row (the context)
+  for (int64_t r = 0; r < rows; ++r) {
+    open = std::min(open, keys[r]);
+    if (mask[r]) open = std::find(mask[r], mask[r] + open, false) - mask[r];
+  }
+  auto live = [&](int64_t s) {
+    if (s < open) return all;
+    __mmask16 m = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      if (s < keys[r] && (!mask[r] || mask[r][s])) m |= (__mmask16)(row_bits << (r * group));
+    return m;
+  };
+  const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
+  __m512 mx = ninf;
+  for (int64_t s = 0; s < S; s += 2) {
+    const float* k0 = kb + s * ldk;
+    const bool pair = s + 1 < S;
+    __m512 d0, d1;
+    lane_dots2<ND>(qt, k0, pair ? k0 + ldk : k0, d0, d1);
+    const __m512 x0 = _mm512_mask_mov_ps(ninf, live(s), _mm512_mul_ps(d0, vscale));
+    _mm512_storeu_ps(sc + 16 * s, x0);
+    mx = _mm512_max_ps(mx, x0);
+    if (pair) {
+      const __m512 x1 = _mm512_mask_mov_ps(ninf, live(s + 1), _mm512_mul_ps(d1, vscale));
+      _mm512_storeu_ps(sc + 16 * (s + 1), x1);
+      mx = _mm512_max_ps(mx, x1);
+    }
+  }
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const __m512 x = _mm512_loadu_ps(sc + 16 * s);
+    const __mmask16 on = _mm512_cmp_ps_mask(x, ninf, _CMP_NEQ_OQ);
+    const __m512 p = _mm512_maskz_mov_ps(on, exp_neg(_mm512_sub_ps(x, mx)));
+    _mm512_storeu_ps(sc + 16 * s, p);
+    sum = _mm512_add_ps(sum, p);
+  }
+  alignas(64) float sums[16], inv[16];
+  _mm512_store_ps(sums, sum);
+  const float* p[16];
+  for (int64_t i = 0; i < lanes; ++i) {
+    inv[i] = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
+    p[i] = sc + i;
+  }
+  weighted_sums_rows<ND>(p, 16, vb, ldv, S, inv, out, lanes);
 }
 
 }  // namespace
@@ -515,26 +615,74 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
   const int64_t ld = S_all + 16;              // one score row per head of the item
-  at::parallel_for(0, B * Hkv * T, 1, [&](int64_t r0, int64_t r1) {
+  // Work items: one kv head's `group` query heads at a run of query rows of one sequence. A run of
+  // rows shares one pass over the keys (attention_lanes: up to 16 / group rows, a lane per row and
+  // head) where D is 64 or 128; else, and for a lone row, a row is an item of its own.
+  struct Item { int64_t b, g, t0, n; };
+  const int64_t lane_rows = (D == 64 || D == 128) && group <= 8 ? 16 / group : 1;
+  const int64_t min_blocks = (2 * at::get_num_threads() + B * Hkv - 1) / (B * Hkv);  // balance
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t t = 0; t < T;) {
+        int64_t run = 1;                     // rows of one slot (all rows without slots)
+        while (t + run < T && (!rows || row_slot[t + run] == row_slot[t])) ++run;
+        const int64_t nb = lane_rows == 1 ? run
+            : std::min(run, std::max((run + lane_rows - 1) / lane_rows, min_blocks));
+        for (int64_t i = 0; i < nb; ++i)     // blocks as even as possible
+          items.push_back({b, g, t + run * i / nb, run * (i + 1) / nb - run * i / nb});
+        t += run;
+      }
+  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t r0, int64_t r1) {
     std::vector<float> sc(group * ld), mx(group), sum(group), inv(group), acc(D);
     std::vector<const float*> qrow(group), prow(group);
     std::vector<float*> orow(group);
+    std::vector<float> qt, sc16;
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t b = r / (Hkv * T), g = (r / T) % Hkv, t = r % T;
-      const int64_t kv_b = rows ? row_slot[t] : b, S = rows ? row_keys[t] : S_all;
+      const Item& it = items[r];
+      const int64_t b = it.b, g = it.g, t = it.t0;
+      const int64_t kv_b = rows ? row_slot[t] : b;
       const float* kb = kp + kv_b * k.stride(0) + g * k.stride(1);
       const float* vb = vp + kv_b * v.stride(0) + g * v.stride(1);
+      if (it.n > 1) {
+        const int64_t n = it.n, lanes = n * group;
+        std::vector<const float*> lq(lanes);
+        std::vector<float*> lo(lanes);
+        std::vector<const bool*> lm(n);
+        std::vector<int64_t> lk(n);
+        int64_t S = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          lm[j] = mp ? mp + b * mask_b + (t + j) * S_all : nullptr;
+          lk[j] = rows ? row_keys[t + j] : S_all;
+          S = std::max(S, lk[j]);
+          for (int64_t i = 0; i < group; ++i) {
+            const int64_t row = (b * Hq + g * group + i) * T + t + j;
+            lq[j * group + i] = qp + row * D;
+            lo[j * group + i] = op + row * D;
+          }
+        }
+        qt.resize(16 * D);
+        sc16.resize(16 * (S + 1));
+        if (D == 64)
+          attention_lanes<4>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data());
+        else
+          attention_lanes<8>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data());
+        continue;
+      }
+      const int64_t S = rows ? row_keys[t] : S_all;
       const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
       // the cache rows come from memory (a batch's slots far exceed the caches): the next item's
       // keys and values stream in while this one computes its scores, a share per block of keys
       const float *nk = nullptr, *nv = nullptr;
       int64_t nS = 0;
       if (r + 1 < r1) {
-        const int64_t nb = (r + 1) / (Hkv * T), ng = ((r + 1) / T) % Hkv, nt = (r + 1) % T;
-        const int64_t nkv = rows ? row_slot[nt] : nb;
-        nS = rows ? row_keys[nt] : S_all;
-        nk = kp + nkv * k.stride(0) + ng * k.stride(1);
-        nv = vp + nkv * v.stride(0) + ng * v.stride(1);
+        const Item& nx = items[r + 1];
+        const int64_t nkv = rows ? row_slot[nx.t0] : nx.b;
+        nS = rows ? row_keys[nx.t0] : S_all;
+        nk = kp + nkv * k.stride(0) + nx.g * k.stride(1);
+        nv = vp + nkv * v.stride(0) + nx.g * v.stride(1);
       }
       for (int64_t i = 0; i < group; ++i) {
         const int64_t row = (b * Hq + g * group + i) * T + t;
@@ -593,9 +741,9 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       // a row that may attend to nothing (padding) gets zeros, as SDPA gives, not 0 * inf = NaN
       for (int64_t i = 0; i < group; ++i) inv[i] = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
       if (D == 64) {
-        weighted_sums_rows<4>(prow.data(), vb, v.stride(2), S, inv.data(), orow.data(), group);
+        weighted_sums_rows<4>(prow.data(), 1, vb, v.stride(2), S, inv.data(), orow.data(), group);
       } else if (D == 128) {
-        weighted_sums_rows<8>(prow.data(), vb, v.stride(2), S, inv.data(), orow.data(), group);
+        weighted_sums_rows<8>(prow.data(), 1, vb, v.stride(2), S, inv.data(), orow.data(), group);
       } else {
         for (int64_t i = 0; i < group; ++i) {
           std::fill(acc.begin(), acc.end(), 0.0f);
