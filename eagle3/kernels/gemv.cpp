@@ -469,6 +469,15 @@ void weighted_sums_rows(const float* const* p, int64_t ps, const float* v, int64
 
 // ---- several query rows of one kv head in one pass: a zmm lane per (row, head of the group)
 
+// 1 + the last key a mask row lets through (0: none), so keys after it (a causal block's
+// future) are not visited: they would add exact zeros
+inline int64_t last_live(const bool* m, int64_t S) {
+  int64_t e = S;
+  while (e >= 64 && _mm512_test_epi8_mask(_mm512_loadu_si512(m + e - 64), _mm512_set1_epi8(1)) == 0) e -= 64;
+  while (e > 0 && !m[e - 1]) --e;
+  return e;
+}
+
 // reduce16's tree, leaf by leaf: ((0+8)+(4+12)) + ((2+10)+(6+14)) for the even lanes, the odd
 // lanes likewise, then the two halves
 constexpr int kLeaves[2][8] = {{0, 8, 4, 12, 2, 10, 6, 14}, {1, 9, 5, 13, 3, 11, 7, 15}};
@@ -653,7 +662,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         int64_t S = 0;
         for (int64_t j = 0; j < n; ++j) {
           lm[j] = mp ? mp + b * mask_b + (t + j) * S_all : nullptr;
-          lk[j] = rows ? row_keys[t + j] : S_all;
+          lk[j] = rows ? row_keys[t + j] : lm[j] ? last_live(lm[j], S_all) : S_all;
           S = std::max(S, lk[j]);
           for (int64_t i = 0; i < group; ++i) {
             const int64_t row = (b * Hq + g * group + i) * T + t + j;
