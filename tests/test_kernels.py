@@ -453,3 +453,28 @@ def test_kernels_name_a_wrong_device_or_dtype():
         attn(q, k.double(), k, None)
     with pytest.raises(RuntimeError, match="not a multiple of kv heads 0"):
         attn(q, k[:, :0], k[:, :0], None)
+
+
+@needs
+def test_a_prefill_longer_than_the_kernels_serve_runs_in_pieces_with_each_rows_bits(tmp_path, monkeypatch):
+    """A row-stable layout prefills a long prompt in pieces of prefill_rows, so every row takes the
+    kernels' path: the block's logits, hidden states, captured features and cache equal the same
+    prompt decoded one token at a time, bit for bit."""
+    from eagle3.runtime import backend as backend_module
+    monkeypatch.setattr(backend_module, "STABLE_ROWS", 8)      # pieces of 8 rows on a tiny model
+    model = _packed_family(tmp_path, "llama3", "bf16")
+    assert model.prefill_rows == 8
+    ids = torch.randint(0, model.config.vocab_size, (1, 21), generator=torch.Generator().manual_seed(4))
+    capture = (0, 1)
+    cache = model.new_cache(32)
+    block = model(ids, torch.arange(21), cache, capture_ids=capture)
+    one = model.new_cache(32)
+    rows = [model(ids[:, i:i + 1], torch.tensor([i]), one, capture_ids=capture) for i in range(21)]
+    assert torch.equal(block.logits, torch.cat([r.logits for r in rows], dim=1))
+    assert torch.equal(block.hidden, torch.cat([r.hidden for r in rows], dim=1))
+    assert torch.equal(block.aux, torch.cat([r.aux for r in rows], dim=1))
+    assert cache.length == one.length == 21
+    k, k_one = cache.layer(1)[0], one.layer(1)[0]
+    assert torch.equal(k[..., :21, :], k_one[..., :21, :])
+    last = model(ids, torch.arange(21), model.new_cache(32), logits_rows=slice(-1, None))
+    assert torch.equal(last.logits, block.logits[:, -1:])
