@@ -12,7 +12,7 @@ import torch
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.costs import CostTable
-from eagle3.speculative.decoder import SpecDecoder
+from eagle3.speculative.decoder import SUFFIX_RUN_DOUBLINGS, SpecDecoder
 from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.tree import SpecParams
 from spec_helpers import (assert_caches_equal_one_pass, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
@@ -131,7 +131,7 @@ def test_suffix_only_steps_run_no_draft_and_keep_greedy_identity_and_the_caches(
     only = [i for i, s in enumerate(steps[1:]) if s.arm == name_of(SUFFIX_ONLY)]
     assert only and sum(steps[i + 1].accepted for i in only) > 0
     assert all(draft_forwards[i] == 0 for i in only)
-    assert all(0 < steps[i + 1].proposed <= Scripted.suffix_only_tokens for i in only)
+    assert all(0 < steps[i + 1].proposed <= Scripted.suffix_only_tokens << SUFFIX_RUN_DOUBLINGS for i in only)
     assert all(steps[i + 1].accepted_suffix == steps[i + 1].accepted for i in only)
     dec._catch_up()                                   # rows the suffix-only and plain steps left
     assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
@@ -198,3 +198,76 @@ def test_sampling_across_choices_is_lossless(target, reference, script):
     t1, counts = sample_two_after_first(dec, prompt, 600)
     assert all(arm in policy.taken for arm in script)    # a suffix-only arm found its matches
     assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01
+
+
+class OracleIndex:
+    """A suffix index that proposes the given text's continuation, as a copy under way would."""
+
+    def __init__(self, text: list[int], n: int):
+        self.text, self.n = text, n
+
+    def extend(self, tokens) -> None:
+        self.n += len(tokens)
+
+    def propose(self, max_tokens: int) -> list:
+        from eagle3.speculative.suffix import SuffixCandidate
+        rest = self.text[self.n:self.n + max_tokens]
+        return [SuffixCandidate(rest, 16, 1)] if rest else []
+
+
+def _suffix_only_run(target, reference, text: list[int], cache_len: int = 128, base: int = 6):
+    """Suffix-only steps (base budget `base`) proposing `text`'s continuation; greedy identity checked."""
+    draft = tiny_draft(target)
+    policy = Scripted((SUFFIX_ONLY,))
+    policy.suffix_only_tokens = base
+    dec = SpecDecoder(target, draft, target.new_cache(cache_len), draft.new_cache(cache_len), GREEDY,
+                      SHAPES[0], policy=policy)
+    steps, budgets = [dec.prefill(PROMPT, MAX_NEW)], []
+    dec.suffix = OracleIndex(text, len(PROMPT) + 1)
+    while sum(len(s.tokens) for s in steps) < MAX_NEW:
+        budgets.append(dec.suffix_only_budget())
+        steps.append(dec.step())
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted[:MAX_NEW] == reference
+    return dec, steps, budgets, emitted
+
+
+def _follows_the_rule(steps, budgets, base):
+    """Each budget is the base, or twice the last (4x the base at most) after a block accepted whole."""
+    for i in range(1, len(budgets)):
+        prev, whole = budgets[i - 1], steps[i].accepted >= budgets[i - 1] - budgets[i - 1] // 4
+        assert budgets[i] == (min(2 * prev, 4 * base) if whole else base), (i, budgets, steps[i])
+
+
+def test_a_suffix_only_block_accepted_whole_doubles_the_next_ones_budget(target, reference):
+    """The stored answer is the real continuation: blocks accepted whole double the next budget, up
+    to SUFFIX_RUN_DOUBLINGS times; the output and the caches are as always."""
+    from eagle3.speculative.decoder import SUFFIX_RUN_DOUBLINGS
+    base = Scripted.suffix_only_tokens
+    dec, steps, budgets, emitted = _suffix_only_run(target, reference, PROMPT + reference)
+    _follows_the_rule(steps, budgets, base)
+    assert SUFFIX_RUN_DOUBLINGS == 2 and 4 * base in budgets
+    assert max(s.proposed for s in steps[1:]) > base and max(s.accepted for s in steps[1:]) > base
+    dec._catch_up()
+    assert_caches_equal_one_pass(dec, target, dec.draft, PROMPT, emitted)
+
+
+def test_a_suffix_only_block_cut_short_returns_the_budget_to_the_base(target, reference):
+    wrong = reference[:]
+    wrong[25] = (wrong[25] + 1) % 8                    # the proposed text parts from the real one
+    _, steps, budgets, _ = _suffix_only_run(target, reference, PROMPT + wrong)
+    _follows_the_rule(steps, budgets, Scripted.suffix_only_tokens)
+    assert any(budgets[i] > budgets[i + 1] for i in range(len(budgets) - 1))
+
+
+def test_a_doubled_suffix_only_budget_stays_within_the_caches_room(target, reference):
+    """Caches sized as tight as prefill allows (the context plus the slack): past the base, a block
+    only takes the room left beyond the slack, so no verify block overflows (the last one here
+    would be 48 nodes at 46 cached tokens; it gets the base)."""
+    base = 12
+    slack = max(SHAPES[0].cache_slack, base + 2)
+    cache_len = len(PROMPT) + MAX_NEW + slack - 1
+    dec, steps, budgets, _ = _suffix_only_run(target, reference, PROMPT + reference, cache_len, base)
+    lengths = [len(PROMPT) + sum(len(s.tokens) for s in steps[:i + 1]) - 1 for i in range(len(budgets))]
+    assert all(n + b + 1 <= cache_len for b, n in zip(budgets, lengths)), (budgets, lengths)
+    assert 2 * base in budgets and budgets[-1] < 4 * base, budgets     # doubled, then held by the room

@@ -14,7 +14,8 @@ step: one target forward of the root, the token drawn as plain decoding draws it
 runs no draft forward: its (feature, next id) row waits in `pending` and the draft catches up over
 all waiting rows in one forward before the next drafted tree (draft length = target length again).
 A suffix-only step (policy.SUFFIX_ONLY, chosen only at a step where the suffix index has a match)
-verifies the root and the index's continuations alone (up to policy.suffix_only_tokens nodes) and
+verifies the root and the index's continuations alone (up to policy.suffix_only_tokens nodes, twice
+that after a block accepted whole and four times after two: `suffix_only_budget`) and
 runs no draft forward either: the (features, next ids) rows of its accepted nodes wait in `pending`
 like a plain step's, and its tree goes through the same verifiers as a hybrid tree (a suffix
 continuation is a point-mass proposal, fixed by the context; see verify.py).
@@ -59,6 +60,15 @@ class DraftHead(NamedTuple):
     hidden: torch.Tensor   # [H] pre-norm, fed back as hidden= for the first level's children
 
 
+# A suffix-only block accepted whole (its first continuation's share of the budget, 3/4 of it when
+# others share the block) doubles the next one's budget, up to this many times (a copy
+# under way: after a whole 16-token block the next was whole again 132 times of 199 on the copy
+# workload, and a 32-row verify costs ~1.3x a 16-row one at 1100 cached tokens); a block cut short
+# returns it to policy.suffix_only_tokens. Past that base the block must fit the cache's room
+# beyond the slack reserved at prefill.
+SUFFIX_RUN_DOUBLINGS = 2
+
+
 class Verified(NamedTuple):
     """A verified tree block: the acceptance and the target features of the accepted nodes."""
     acc: Acceptance
@@ -97,13 +107,15 @@ class SpecDecoder:
         self.head: Optional[DraftHead] = None
         self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
         self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
+        self.suffix_run = 0                         # suffix-only blocks accepted whole in a row
+        self.slack = 0                              # cache rows reserved past the output at prefill
 
     # ------------------------------------------------------------------ decoder interface
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
         slack = max(max(s.cache_slack for s in self.shapes), self.suffix_only_tokens + 2)
-        self.pending = []
+        self.pending, self.suffix_run, self.slack = [], 0, slack
         for cache in (self.cache, self.draft_cache):
             cache.reset()
             cache.check_room(n + max_new_tokens + slack - 1)
@@ -164,13 +176,21 @@ class SpecDecoder:
         """The continuations a suffix-only step would verify now (empty: no match, or no such arm).
         With several, the first (most frequent, longest match) is cut to leave the others a
         quarter of the budget."""
-        budget = self.suffix_only_tokens
-        if self.suffix is None or not budget:
+        if self.suffix is None or not self.suffix_only_tokens:
             return []
+        budget = self.suffix_only_budget()
         conts = [c.tokens for c in self.suffix.propose(budget)]
         if len(conts) > 1:
             conts[0] = conts[0][:budget - budget // 4]
         return conts
+
+    def suffix_only_budget(self) -> int:
+        """Nodes a suffix-only block may hold now: policy.suffix_only_tokens, doubled for each block
+        accepted whole just before (SUFFIX_RUN_DOUBLINGS at most), past the base only as far as
+        both caches have room beyond the slack reserved at prefill."""
+        base = self.suffix_only_tokens
+        room = min(c.max_len for c in (self.cache, self.draft_cache)) - self.cache.length - self.slack
+        return max(base, min(base << self.suffix_run, base + room))
 
     def suffix_step(self, conts: list[list[int]]) -> Step:
         """The root and the suffix continuations, verified in one target forward; no draft forward
@@ -180,9 +200,12 @@ class SpecDecoder:
                                 "choose SUFFIX_ONLY only with choose(suffix_ready=True)")
         t0 = time.perf_counter()
         start = self.cache.length
-        m = merge_suffix([int(self.root)], [-1], conts, self.suffix_only_tokens)
+        budget = self.suffix_only_budget()
+        m = merge_suffix([int(self.root)], [-1], conts, budget)
         tree = build_tree(self._ids(m.tokens), self._ids(m.parents), start, m.depth, m.sources)
         acc, features = self._verify(tree, start)
+        whole = acc.accept_len >= budget - budget // 4    # the first continuation's share, all of it
+        self.suffix_run = min(self.suffix_run + 1, SUFFIX_RUN_DOUBLINGS) if whole else 0
         self.root = self._ids(acc.tokens[-1:])
         self.pending.append((self._ids(acc.tokens), features))
         self.suffix.extend(acc.tokens)
