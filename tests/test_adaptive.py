@@ -12,7 +12,7 @@ import torch
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.costs import CostTable
-from eagle3.speculative.decoder import SUFFIX_RUN_DOUBLINGS, SpecDecoder
+from eagle3.speculative.decoder import SUFFIX_MAX_FACTOR, SpecDecoder
 from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.tree import SpecParams
 from spec_helpers import (assert_caches_equal_one_pass, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
@@ -131,7 +131,7 @@ def test_suffix_only_steps_run_no_draft_and_keep_greedy_identity_and_the_caches(
     only = [i for i, s in enumerate(steps[1:]) if s.arm == name_of(SUFFIX_ONLY)]
     assert only and sum(steps[i + 1].accepted for i in only) > 0
     assert all(draft_forwards[i] == 0 for i in only)
-    assert all(0 < steps[i + 1].proposed <= Scripted.suffix_only_tokens << SUFFIX_RUN_DOUBLINGS for i in only)
+    assert all(0 < steps[i + 1].proposed <= SUFFIX_MAX_FACTOR * Scripted.suffix_only_tokens for i in only)
     assert all(steps[i + 1].accepted_suffix == steps[i + 1].accepted for i in only)
     dec._catch_up()                                   # rows the suffix-only and plain steps left
     assert_caches_equal_one_pass(dec, target, draft, PROMPT, emitted)
@@ -233,41 +233,45 @@ def _suffix_only_run(target, reference, text: list[int], cache_len: int = 128, b
 
 
 def _follows_the_rule(steps, budgets, base):
-    """Each budget is the base, or twice the last (4x the base at most) after a block accepted whole."""
+    """The first budget is half the base; each next one twice the last block's accepted nodes + 1,
+    within [base // 2, 4 x base] (the room is ample here)."""
+    assert budgets[0] == base // 2
     for i in range(1, len(budgets)):
-        prev, whole = budgets[i - 1], steps[i].accepted >= budgets[i - 1] - budgets[i - 1] // 4
-        assert budgets[i] == (min(2 * prev, 4 * base) if whole else base), (i, budgets, steps[i])
+        want = min(max(2 * (steps[i].accepted + 1), base // 2), 4 * base)
+        assert budgets[i] == want, (i, budgets, steps[i])
 
 
-def test_a_suffix_only_block_accepted_whole_doubles_the_next_ones_budget(target, reference):
-    """The stored answer is the real continuation: blocks accepted whole double the next budget, up
-    to SUFFIX_RUN_DOUBLINGS times; the output and the caches are as always."""
-    from eagle3.speculative.decoder import SUFFIX_RUN_DOUBLINGS
+def test_a_suffix_only_block_grows_with_the_last_ones_acceptance(target, reference):
+    """The proposed text is the real continuation: each block is accepted whole and the next is
+    twice as long, up to SUFFIX_MAX_FACTOR x the base; the output and the caches are as always."""
+    from eagle3.speculative.decoder import SUFFIX_GROWTH, SUFFIX_MAX_FACTOR
     base = Scripted.suffix_only_tokens
     dec, steps, budgets, emitted = _suffix_only_run(target, reference, PROMPT + reference)
     _follows_the_rule(steps, budgets, base)
-    assert SUFFIX_RUN_DOUBLINGS == 2 and 4 * base in budgets
-    assert max(s.proposed for s in steps[1:]) > base and max(s.accepted for s in steps[1:]) > base
+    assert (SUFFIX_GROWTH, SUFFIX_MAX_FACTOR) == (2, 4) and budgets[:3] == [3, 8, 18]
+    assert max(s.accepted for s in steps[1:]) > base
     dec._catch_up()
     assert_caches_equal_one_pass(dec, target, dec.draft, PROMPT, emitted)
 
 
-def test_a_suffix_only_block_cut_short_returns_the_budget_to_the_base(target, reference):
+def test_a_suffix_only_block_cut_short_shrinks_the_next_one(target, reference):
     wrong = reference[:]
-    wrong[25] = (wrong[25] + 1) % 8                    # the proposed text parts from the real one
+    wrong[20] = (wrong[20] + 1) % 8                    # the proposed text parts from the real one
     _, steps, budgets, _ = _suffix_only_run(target, reference, PROMPT + wrong)
     _follows_the_rule(steps, budgets, Scripted.suffix_only_tokens)
     assert any(budgets[i] > budgets[i + 1] for i in range(len(budgets) - 1))
 
 
-def test_a_doubled_suffix_only_budget_stays_within_the_caches_room(target, reference):
+def test_a_grown_suffix_only_budget_stays_within_the_caches_room(target, reference):
     """Caches sized as tight as prefill allows (the context plus the slack): past the base, a block
-    only takes the room left beyond the slack, so no verify block overflows (the last one here
-    would be 48 nodes at 46 cached tokens; it gets the base)."""
+    only takes the room left beyond the slack, so no verify block overflows (the third here would
+    be 30 nodes at 30 cached tokens; it gets 29)."""
     base = 12
     slack = max(SHAPES[0].cache_slack, base + 2)
     cache_len = len(PROMPT) + MAX_NEW + slack - 1
     dec, steps, budgets, _ = _suffix_only_run(target, reference, PROMPT + reference, cache_len, base)
     lengths = [len(PROMPT) + sum(len(s.tokens) for s in steps[:i + 1]) - 1 for i in range(len(budgets))]
-    assert all(n + b + 1 <= cache_len for b, n in zip(budgets, lengths)), (budgets, lengths)
-    assert 2 * base in budgets and budgets[-1] < 4 * base, budgets     # doubled, then held by the room
+    wants = [base // 2] + [min(2 * (s.accepted + 1), 4 * base) for s in steps[1:len(budgets)]]
+    assert all(b <= max(base, base + cache_len - n - slack) for b, n in zip(budgets, lengths)), (budgets, lengths)
+    assert all(n + b + 1 <= cache_len for b, n in zip(budgets, lengths))
+    assert max(budgets) > base and any(b < w for b, w in zip(budgets, wants)), (budgets, wants)   # held by the room

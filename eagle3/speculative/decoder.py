@@ -15,7 +15,8 @@ runs no draft forward: its (feature, next id) row waits in `pending` and the dra
 all waiting rows in one forward before the next drafted tree (draft length = target length again).
 A suffix-only step (policy.SUFFIX_ONLY, chosen only at a step where the suffix index has a match)
 verifies the root and the index's continuations alone (up to policy.suffix_only_tokens nodes, twice
-that after a block accepted whole and four times after two: `suffix_only_budget`) and
+the last suffix-only block's accepted tokens plus one, within half to four times that:
+`suffix_only_budget`) and
 runs no draft forward either: the (features, next ids) rows of its accepted nodes wait in `pending`
 like a plain step's, and its tree goes through the same verifiers as a hybrid tree (a suffix
 continuation is a point-mass proposal, fixed by the context; see verify.py).
@@ -60,13 +61,15 @@ class DraftHead(NamedTuple):
     hidden: torch.Tensor   # [H] pre-norm, fed back as hidden= for the first level's children
 
 
-# A suffix-only block accepted whole (its first continuation's share of the budget, 3/4 of it when
-# others share the block) doubles the next one's budget, up to this many times (a copy
-# under way: after a whole 16-token block the next was whole again 132 times of 199 on the copy
-# workload, and a 32-row verify costs ~1.3x a 16-row one at 1100 cached tokens); a block cut short
-# returns it to policy.suffix_only_tokens. Past that base the block must fit the cache's room
-# beyond the slack reserved at prefill.
-SUFFIX_RUN_DOUBLINGS = 2
+# A suffix-only block's size follows the last one's acceptance: SUFFIX_GROWTH x (accepted + 1)
+# nodes, at least half policy.suffix_only_tokens (the size before any) and at most SUFFIX_MAX_FACTOR
+# times it; past it only as far as both caches have room beyond the slack reserved at prefill. A
+# copy under way grows its blocks, a guess that failed shrinks them back. Replayed on the copy
+# workload's 40 greedy outputs with the verify times measured at ~1000 cached tokens
+# (scripts/suffix_budget_sim.py), suffix-only steps made 2.58x plain decoding's tokens per ms at a
+# fixed 15 nodes, 2.63x doubling after each block accepted whole, 2.72x with this rule.
+SUFFIX_GROWTH = 2
+SUFFIX_MAX_FACTOR = 4
 
 
 class Verified(NamedTuple):
@@ -107,7 +110,7 @@ class SpecDecoder:
         self.head: Optional[DraftHead] = None
         self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
         self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
-        self.suffix_run = 0                         # suffix-only blocks accepted whole in a row
+        self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
         self.slack = 0                              # cache rows reserved past the output at prefill
 
     # ------------------------------------------------------------------ decoder interface
@@ -115,7 +118,7 @@ class SpecDecoder:
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
         slack = max(max(s.cache_slack for s in self.shapes), self.suffix_only_tokens + 2)
-        self.pending, self.suffix_run, self.slack = [], 0, slack
+        self.pending, self.suffix_last, self.slack = [], None, slack
         for cache in (self.cache, self.draft_cache):
             cache.reset()
             cache.check_room(n + max_new_tokens + slack - 1)
@@ -185,12 +188,18 @@ class SpecDecoder:
         return conts
 
     def suffix_only_budget(self) -> int:
-        """Nodes a suffix-only block may hold now: policy.suffix_only_tokens, doubled for each block
-        accepted whole just before (SUFFIX_RUN_DOUBLINGS at most), past the base only as far as
-        both caches have room beyond the slack reserved at prefill."""
+        """Nodes a suffix-only block may hold now: SUFFIX_GROWTH x (the last block's accepted nodes
+        + 1), within [suffix_only_tokens // 2, SUFFIX_MAX_FACTOR x suffix_only_tokens]; past
+        suffix_only_tokens only as far as both caches have room beyond the slack reserved at
+        prefill."""
         base = self.suffix_only_tokens
+        last = self.suffix_last
+        want = base // 2 if last is None else SUFFIX_GROWTH * (last + 1)
+        want = min(max(want, base // 2, 1), SUFFIX_MAX_FACTOR * base)
+        if want <= base:
+            return want
         room = min(c.max_len for c in (self.cache, self.draft_cache)) - self.cache.length - self.slack
-        return max(base, min(base << self.suffix_run, base + room))
+        return max(base, min(want, base + room))
 
     def suffix_step(self, conts: list[list[int]]) -> Step:
         """The root and the suffix continuations, verified in one target forward; no draft forward
@@ -204,8 +213,7 @@ class SpecDecoder:
         m = merge_suffix([int(self.root)], [-1], conts, budget)
         tree = build_tree(self._ids(m.tokens), self._ids(m.parents), start, m.depth, m.sources)
         acc, features = self._verify(tree, start)
-        whole = acc.accept_len >= budget - budget // 4    # the first continuation's share, all of it
-        self.suffix_run = min(self.suffix_run + 1, SUFFIX_RUN_DOUBLINGS) if whole else 0
+        self.suffix_last = acc.accept_len
         self.root = self._ids(acc.tokens[-1:])
         self.pending.append((self._ids(acc.tokens), features))
         self.suffix.extend(acc.tokens)
