@@ -13,7 +13,8 @@
 //
 // Also row-stable fused ops for the same forwards (one pass per row, fixed order, fp32):
 //   rms_norm:  y = x / sqrt(mean(x^2) + eps) * w, per row of [N, H]
-//   attention: softmax(q k^T / sqrt(D) + mask) v per query row, GQA, over a cache prefix
+//   attention: softmax(q k^T / sqrt(D) + mask) v per query row, GQA, over a cache prefix (a run of
+//              query rows shares one pass over the keys, each row adding as it does alone)
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>

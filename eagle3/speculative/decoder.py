@@ -14,9 +14,8 @@ step: one target forward of the root, the token drawn as plain decoding draws it
 runs no draft forward: its (feature, next id) row waits in `pending` and the draft catches up over
 all waiting rows in one forward before the next drafted tree (draft length = target length again).
 A suffix-only step (policy.SUFFIX_ONLY, chosen only at a step where the suffix index has a match)
-verifies the root and the index's continuations alone (up to policy.suffix_only_tokens nodes, twice
-the last suffix-only block's accepted tokens plus one, within half to four times that:
-`suffix_only_budget`) and
+verifies the root and the index's continuations alone (2 x (the last suffix-only block's accepted
+nodes + 1) nodes, within half to four times policy.suffix_only_tokens: `suffix_only_budget`) and
 runs no draft forward either: the (features, next ids) rows of its accepted nodes wait in `pending`
 like a plain step's, and its tree goes through the same verifiers as a hybrid tree (a suffix
 continuation is a point-mass proposal, fixed by the context; see verify.py).
@@ -67,7 +66,7 @@ class DraftHead(NamedTuple):
 # copy under way grows its blocks, a guess that failed shrinks them back. Replayed on the copy
 # workload's 40 greedy outputs with the verify times measured at ~1000 cached tokens
 # (scripts/suffix_budget_sim.py), suffix-only steps made 2.58x plain decoding's tokens per ms at a
-# fixed 15 nodes, 2.63x doubling after each block accepted whole, 2.72x with this rule.
+# fixed 15 nodes, 2.59x doubling after each block accepted whole, 2.72x with this rule.
 SUFFIX_GROWTH = 2
 SUFFIX_MAX_FACTOR = 4
 

@@ -2,10 +2,11 @@
 rolling acceptance of each choice.
 
 Arms are named choices: PLAIN (one target row, no draft forward), SpecParams shapes, and
-SUFFIX_ONLY: the suffix index's continuations alone as the verify block (up to suffix_only_tokens
-nodes under the root, no draft forward; offered only at a step where the index has a match). For
-each arm the policy keeps rolling averages of what its steps did (`Rolling`: the plain mean of the
-first ~1/(1 - memory) steps, then exponential with weight `memory` on the past):
+SUFFIX_ONLY: the suffix index's continuations alone as the verify block (no draft forward; offered
+only at a step where the index has a match; the decoder sizes each block from the last one's
+acceptance, half to four times suffix_only_tokens). For each arm the policy keeps rolling averages
+of what its steps did (`Rolling`: the plain mean of the first ~1/(1 - memory) steps, then
+exponential with weight `memory` on the past):
 
     tokens   emitted tokens per step (accepted draft tokens + 1)
     rows     target rows verified per step (the tree's size; dynamic under min_prob)
@@ -117,7 +118,8 @@ class AdaptivePolicy:
     max_probe_every: int = 128
     allow_plain: bool = True
     correct_costs: bool = True                 # False: cost = the table's, uncorrected
-    suffix_only_tokens: Optional[int] = None   # None: the largest shape's verify block - 1; 0: no arm
+    suffix_only_tokens: Optional[int] = None   # a suffix-only block's base size (None: the largest
+                                               # shape's verify block - 1; 0: no arm)
     probe_steps: int = 1                       # steps an arm runs when first tried or probed
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
