@@ -23,6 +23,7 @@ import statistics
 from pathlib import Path
 from typing import Callable, Optional
 
+from eagle3.speculative.decoder import first_cut
 from eagle3.speculative.merge import merge_suffix
 from eagle3.speculative.suffix import SuffixIndex
 
@@ -80,9 +81,7 @@ def replay(data: list[dict], rule: Rule, cost: Callable[[int], float]) -> tuple[
         i, last, ptok, pms = 1, None, 0.0, 0.0
         while i < len(out):
             budget = rule(last)
-            conts = [c.tokens for c in index.propose(budget)] if budget else []
-            if len(conts) > 1:
-                conts[0] = conts[0][:budget - budget // 4]
+            conts = first_cut([c.tokens for c in index.propose(budget)], budget) if budget else []
             a, rows = accepted(conts, budget, out[i:]) if conts else (0, 0)
             emit = min(a + 1, len(out) - i)
             ptok, pms = ptok + emit, pms + cost(rows + 1)

@@ -95,16 +95,13 @@ class InferenceTarget:
             h, f = self._block(input_ids[:, s:s + piece], positions[:, s:s + piece], cache, attn_mask, capture)
             hs.append(h)
             feats.append(f)
-        h = hs[0] if len(hs) == 1 else torch.cat(hs, dim=1)
-        hidden = self.backend.rms_norm(h, *self.norm)
+        hidden = self.backend.rms_norm(_joined(hs, 1), *self.norm)
         wanted = rows_of(hidden, logits_rows)
         logits = None
         if wanted is not None:
-            logits = torch.cat([self.lm_head(wanted[:, s:s + piece])
-                                for s in range(0, max(wanted.shape[1], 1), piece)], dim=1)
-        aux = None
-        if capture:
-            aux = torch.cat([torch.cat(f, dim=-1) for f in feats], dim=1)
+            logits = _joined([self.lm_head(wanted[:, s:s + piece])
+                              for s in range(0, max(wanted.shape[1], 1), piece)], 1)
+        aux = _joined([torch.cat(f, dim=-1) for f in feats], 1) if capture else None
         return ForwardOutput(logits, hidden, aux)
 
     forward = __call__
@@ -180,6 +177,11 @@ def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,
     if gguf is not None:
         check_codes(gguf, dict(model.named_parameters(remove_duplicate=False)))
     return InferenceTarget(model, backend or choose_backend(device, weight_dtype, row_stable), gguf)
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """The pieces of a block joined along `dim` (one piece: itself, no copy on the decode path)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _layer_codes(codes: dict, index: int) -> dict:

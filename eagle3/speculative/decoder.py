@@ -110,17 +110,20 @@ class SpecDecoder:
         self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
         self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
-        self.slack = 0                              # cache rows reserved past the output at prefill
+
+    @property
+    def slack(self) -> int:
+        """Cache rows reserved past the output at prefill: the largest verify block or draft tree."""
+        return max(max(s.cache_slack for s in self.shapes), self.suffix_only_tokens + 2)
 
     # ------------------------------------------------------------------ decoder interface
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
-        slack = max(max(s.cache_slack for s in self.shapes), self.suffix_only_tokens + 2)
-        self.pending, self.suffix_last, self.slack = [], None, slack
+        self.pending, self.suffix_last = [], None
         for cache in (self.cache, self.draft_cache):
             cache.reset()
-            cache.check_room(n + max_new_tokens + slack - 1)
+            cache.check_room(n + max_new_tokens + self.slack - 1)
         t0 = time.perf_counter()
         ids = torch.tensor(prompt_ids, device=self.device)
         out = self.target(ids[None], torch.arange(n, device=self.device), self.cache,
@@ -181,10 +184,7 @@ class SpecDecoder:
         if self.suffix is None or not self.suffix_only_tokens:
             return []
         budget = self.suffix_only_budget()
-        conts = [c.tokens for c in self.suffix.propose(budget)]
-        if len(conts) > 1:
-            conts[0] = conts[0][:budget - budget // 4]
-        return conts
+        return first_cut([c.tokens for c in self.suffix.propose(budget)], budget)
 
     def suffix_only_budget(self) -> int:
         """Nodes a suffix-only block may hold now: SUFFIX_GROWTH x (the last block's accepted nodes
@@ -353,6 +353,14 @@ class SpecDecoder:
         out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],
                          logits_rows=slice(-1, None))
         self.head = DraftHead(out.logits[0, -1], out.hidden[0, -1])
+
+
+def first_cut(conts: list[list[int]], budget: int) -> list[list[int]]:
+    """A suffix-only block's continuations: with several, the first (most frequent, longest match)
+    is cut to leave the others a quarter of the budget."""
+    if len(conts) > 1:
+        conts = [conts[0][:budget - budget // 4]] + conts[1:]
+    return conts
 
 
 def suffix_only(tree: Tree, nodes: list[int]) -> int:
