@@ -887,6 +887,17 @@ constexpr int kDigitWords = kPlanes * 8;         // int32 words of digits per ro
 constexpr float kDigitMax = 8355000.0f;          // < 127 * (65536 + 256 + 1): d2 never leaves int8
 constexpr int kQuantLanes = 16;
 
+// Each tile asks for the bytes kAhead past the record it reads, a record's worth per record: a
+// thread's groups are consecutive in the packed weight, so this runs ahead of its stream, across
+// groups and 4 KiB pages, where the hardware's prefetchers stop at each page. At one row the codes
+// are read once and the loads wait on memory: SmolLM2's Q4_1 decode forward went from 5.7 to 4.5
+// ms (2 threads; 2048 bytes ahead: 4.7, 8192: 4.6).
+constexpr int64_t kAhead = 4096;
+inline void fetch_ahead(const uint8_t* rec, int64_t rec_bytes) {
+  for (int64_t l = 0; l < rec_bytes; l += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(rec + kAhead + l), _MM_HINT_T0);
+}
+
 struct QuantSeg {
   int64_t kind, out, block, scale_bytes, rec_bytes, offset, out0, group0;
 };
@@ -990,6 +1001,7 @@ void nibble_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, c
     for (int r = 0; r < MT; ++r)
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     const float* xb = x + b * 32;
+    fetch_ahead(rec, rec_bytes);
     codes.block(rec);
     for (int k = 0; k < 4; ++k) {
       const __m512i n = _mm512_loadu_si512(rec + 64 * k);
@@ -1068,6 +1080,7 @@ __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    fetch_ahead(rec, rec_bytes);
     __m512i codes[4][2];
     for (int k = 0; k < 4; ++k) {
       const __m512i n = _mm512_loadu_si512(rec + 64 * k);
@@ -1107,6 +1120,7 @@ void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, in
     for (int r = 0; r < MT; ++r)
       for (int c = 0; c < kChains; ++c) dot[r][c] = _mm512_setzero_ps();
     const float* xb = x + b * BLK;
+    fetch_ahead(rec, rec_bytes);
     for (int j = 0; j < BLK; j += kChains)
       for (int c = 0; c < kChains; ++c) {
         const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
