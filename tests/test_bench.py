@@ -368,6 +368,10 @@ def test_a_llama_cpp_binding_that_crashes_is_skipped_with_the_rebuild(monkeypatc
     monkeypatch.setattr(llamacpp, "SMOKE", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
     why = llamacpp.binding_crash(gguf, 2)
     assert why and "crashed generating from m.gguf (signal 11" in why and "GGML_NATIVE=OFF" in why
+    monkeypatch.setattr(llamacpp, "SMOKE", "import diskcache_not_installed_here")   # not a crash of the build
+    why = llamacpp.binding_crash(gguf, 2)
+    assert why and "cannot import 'diskcache_not_installed_here'" in why and "GGML_NATIVE" not in why
+    assert why.endswith("pip install diskcache_not_installed_here")
     monkeypatch.setattr(llamacpp, "SMOKE", "import sys; assert sys.argv[1:] == ['%s', '2']" % gguf)
     assert llamacpp.binding_crash(gguf, 2) is None
     monkeypatch.setattr(llamacpp, "binding_crash", lambda *a: "crashed")

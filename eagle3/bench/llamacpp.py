@@ -107,6 +107,11 @@ def binding_crash(gguf: Path, threads: int, timeout: float = 300) -> Optional[st
         return None
     how = f"signal {-out.returncode}" if out.returncode < 0 else f"exit {out.returncode}"
     tail = (out.stderr.strip().splitlines() or [""])[-1][:200]
+    missing = re.search(r"ModuleNotFoundError: No module named '([\w.]+)'", out.stderr)
+    if missing:   # a binding installed with --no-deps (the rebuild line) lacks its dependencies
+        module = missing.group(1).split(".")[0]
+        return (f"llama-cpp-python cannot import {module!r} (a dependency it was installed without); "
+                f"install it: pip install {module}")
     return (f"llama-cpp-python crashed generating from {gguf.name} ({how}{': ' + tail if tail else ''}); "
             f"a native build's AMX kernels do so on some CPUs, rebuild without them: {NO_AMX_BUILD}")
 
