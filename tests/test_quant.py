@@ -4,6 +4,7 @@ product, rows are independent of their block, and a target running the codes giv
 model's logits and lossless speculation."""
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import numpy as np
@@ -79,6 +80,40 @@ def test_the_kernel_equals_the_dequantised_product_and_rows_stand_alone(type_nam
     alone = torch.cat([kernels.quant_linear()(x[i:i + 1].contiguous(), packed, bias, out_features)
                        for i in range(len(x))])
     assert torch.equal(alone, y)                  # bit for bit: the row-stable property
+
+
+needs_amx_int8 = pytest.mark.skipif(not kernels.state().amx_int8, reason="no AMX-INT8 tiles here")
+
+
+@contextlib.contextmanager
+def amx_int8(on: bool):
+    module = kernels.state().module
+    module.set_amx_int8(on)
+    try:
+        yield
+    finally:
+        module.set_amx_int8(kernels.state().amx_int8)
+
+
+@needs_amx_int8
+@pytest.mark.parametrize("type_name", FOUR_BIT)
+def test_4bit_codes_on_amx_int8_tiles_give_the_vnni_paths_bits(type_name):
+    """Blocks of 8+ rows run the integer dot products as tile multiplies: the same integer sums
+    and the same float steps after them, so every row has the VNNI path's bits (and a row alone,
+    on VNNI, equals it in any block)."""
+    out_features, in_features = 40, 1024          # 40: a last group of 8 valid lanes
+    raw = raw_blocks(type_name, out_features, in_features, seed=3)
+    codes = unpack(type_name, raw, out_features, in_features)
+    fused = kernels.pack_quant([codes.kernel_part(), unpack("Q8_0", raw_blocks("Q8_0", 16, in_features, seed=4),
+                                                             16, in_features).kernel_part()], True)
+    x = torch.randn(40, in_features)
+    x[9, 64:96] *= 1e5
+    for rows in (8, 9, 16, 17, 40):
+        with amx_int8(False):
+            vnni = kernels.quant_linear()(x[:rows].contiguous(), fused, None, out_features + 16)
+        with amx_int8(True):
+            tiles = kernels.quant_linear()(x[:rows].contiguous(), fused, None, out_features + 16)
+        assert torch.equal(tiles, vnni), rows
 
 
 @needs_vnni

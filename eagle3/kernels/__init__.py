@@ -40,6 +40,7 @@ LDFLAGS = ["-fopenmp", f"-Wl,-rpath,{Path(torch.__file__).parent / 'lib'}"]
 
 VNNI_FLAG = "avx512_vnni"       # /proc/cpuinfo's name; linear_quant's integer dot products need it
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})   # linear_bf16(amx=True) needs both (and the OS's grant)
+AMX_INT8_FLAGS = frozenset({"amx_tile", "amx_int8"})   # linear_quant's 4-bit codes of 2+ rows on tiles
 AMX_WIDTH = 32                  # linear_bf16(amx=True) takes input widths that are multiples of this
 
 
@@ -50,6 +51,7 @@ class KernelState(NamedTuple):
     build_dir: Optional[Path] = None
     vnni: bool = False          # 4-bit GGUF codes may run on integer dot products (AVX512-VNNI)
     amx: bool = False           # bf16 weights run on AMX tile multiplies (linear_bf16's amx)
+    amx_int8: bool = False      # 4-bit codes of blocks of 2+ rows on AMX-INT8 tiles (VNNI's bits)
 
 
 _STATE: Optional[KernelState] = None
@@ -86,9 +88,14 @@ def _build() -> KernelState:
     vnni = VNNI_FLAG in flags and os.environ.get("EAGLE3_VNNI", "1") != "0"
     amx = (bf16 and AMX_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
            and bool(module.amx_permitted()))
+    # the integer dot products of 4-bit codes on tiles: exact integer sums, so the same bits as
+    # the VNNI path; a verify block of 8 rows then costs about what 2 cost on VNNI
+    amx_int8 = (vnni and AMX_INT8_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
+                and bool(module.amx_int8_available()))
+    module.set_amx_int8(amx_int8)
     reason = ("avx512" + (" + bf16" if bf16 else " (fp32 only)") + (" + vnni" if vnni else "")
-              + (" + amx" if amx else ""))
-    return KernelState(module, reason, bf16, build_dir, vnni, amx)
+              + (" + amx" if amx else "") + (" + amx-int8" if amx_int8 else ""))
+    return KernelState(module, reason, bf16, build_dir, vnni, amx, amx_int8)
 
 
 def state() -> KernelState:

@@ -24,6 +24,8 @@
 #include <vector>
 #include <cstdint>
 #include <cstring>
+#include <atomic>
+#include <cpuid.h>
 #include <limits>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -1109,6 +1111,96 @@ __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
 
+// ---- 4-bit codes on AMX-INT8 tiles (blocks of 2..16 rows; Sapphire Rapids and later)
+// The same integer dot products as nibble_tile_vnni, as tile multiplies: per block of 32 inputs and
+// digit plane p, C_p [rows x 16 outputs] = A_p [rows x 32 digits] . B [32 x 16 codes] (tdpbssd:
+// codes 0..15 and digits are both in int8 range). B's row 2k + h is the VNNI path's codes[k][h]
+// (four inputs per output), A_p's row r the plane's eight digit words of row r in the same [k][half]
+// order, so C_p holds the VNNI path's dot[p][0] + dot[p][1] exactly (integer sums have no order),
+// and the float steps after it are the VNNI path's, in its order: a row's result has the VNNI
+// path's bits whatever the block (tests/test_quant.py compares the two bit for bit). One tile
+// multiply is 16 x 16 x 32 products: a verify block of 8 rows costs about what 2 cost on VNNI.
+#if EAGLE3_AMX_BUILT
+#define AMX_INT8 __attribute__((target("amx-tile,amx-int8")))
+constexpr int kInt8TileRows = 16;
+
+AMX_INT8 void amx_int8_configure(int rows) {
+  static const auto table = [] {
+    std::array<TileConfig, kInt8TileRows + 1> t{};
+    for (int r = 1; r <= kInt8TileRows; ++r) {
+      for (int i : {0, 1, 2}) { t[r].rows[i] = (uint8_t)r; t[r].colsb[i] = 64; }   // C_p: int32 x 16
+      for (int i : {3, 4, 5}) { t[r].rows[i] = (uint8_t)r; t[r].colsb[i] = 32; }   // A_p: 32 digits
+      t[r].rows[6] = 8; t[r].colsb[6] = 64;                                         // B: 8 x (16 x 4)
+    }
+    return t;
+  }();
+  _tile_loadconfig(&table[rows]);
+}
+
+AMX_INT8 void amx_nibble_tile(const int32_t* digits, const float* scale, const float* xsum, int64_t nb,
+                              const uint8_t* rec, int64_t blocks, int64_t rec_bytes, int64_t sb, float* y,
+                              int64_t ldy, int valid, int rows) {
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512 radix2 = _mm512_set1_ps(65536.0f);
+  const int64_t lda = nb * kDigitWords * 4;            // bytes from one row's digits to the next's
+  alignas(64) int32_t bt[8 * 16];
+  alignas(64) int32_t ct[3][kInt8TileRows * 16];
+  __m512 acc[kInt8TileRows];
+  for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    fetch_ahead(rec, rec_bytes);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i n = _mm512_loadu_si512(rec + 64 * k);
+      _mm512_store_si512(bt + 32 * k, _mm512_and_si512(n, low));
+      _mm512_store_si512(bt + 32 * k + 16, _mm512_and_si512(_mm512_srli_epi32(n, 4), low));
+    }
+    const int32_t* a = digits + b * kDigitWords;
+    _tile_loadd(6, bt, 64);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_loadd(3, a, lda);
+    _tile_loadd(4, a + 8, lda);
+    _tile_loadd(5, a + 16, lda);
+    _tile_dpbssd(0, 3, 6);
+    _tile_dpbssd(1, 4, 6);
+    _tile_dpbssd(2, 5, 6);
+    _tile_stored(0, ct[0], 64);
+    _tile_stored(1, ct[1], 64);
+    _tile_stored(2, ct[2], 64);
+    const __m512 d = load_scales(rec + Nibbles::kScalesAt, sb);
+    const __m512 m = load_scales(rec + Nibbles::kScalesAt + 16 * sb, sb);
+    for (int r = 0; r < rows; ++r) {
+      const __m512i low2 = _mm512_add_epi32(_mm512_load_si512(ct[0] + 16 * r),
+                                            _mm512_slli_epi32(_mm512_load_si512(ct[1] + 16 * r), 8));
+      const __m512 high = _mm512_cvtepi32_ps(_mm512_load_si512(ct[2] + 16 * r));
+      const __m512 sum = _mm512_fmadd_ps(high, radix2, _mm512_cvtepi32_ps(low2));
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), sum, acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) store_lanes(y + r * ldy, acc[r], valid);
+}
+#endif  // EAGLE3_AMX_BUILT
+
+// whether this CPU has AMX-INT8 (CPUID 7.0 EDX bit 25; GCC 12's __builtin_cpu_supports does not
+// know it) and Linux granted the tiles
+bool amx_int8_available() {
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    return ((d >> 25) & 1) && ((d >> 24) & 1) && amx_permitted();
+  }();
+  return ok;
+}
+
+// blocks of at least this many rows run kind-4 codes on AMX-INT8 tiles, where switched on (a block
+// costs ~70 cycles of tile loads, multiplies and stores whatever its rows: at 2 rows 0.077 ms against
+// VNNI's 0.028 for 3072 x 576, equal at 8, 0.13 against 0.20 at 16, 0.27 against 0.39 at 32)
+// (set_amx_int8: eagle3.kernels at build, from the CPU's flags and EAGLE3_AMX; same bits either way)
+constexpr int64_t kInt8MinRows = 8;
+std::atomic<bool> g_amx_int8{false};
+
 // MT rows against one group of 16 outputs of a kind-8 segment with blocks of BLK inputs
 template <int MT, int BLK>
 void q8_tile(const float* x, int64_t ldx, const uint8_t* rec, int64_t blocks, int64_t rec_bytes,
@@ -1212,10 +1304,28 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
                        digit_sum.data()};
   const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
   float* yp = y.data_ptr<float>();
+  const bool tiles = EAGLE3_AMX_BUILT && !digits.empty() && M >= kInt8MinRows && g_amx_int8.load();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     size_t s = 0;
+    int configured = 0;
     for (int64_t grp = g0; grp < g1; ++grp) {
       while (s + 1 < segs.size() && grp >= segs[s + 1].group0) ++s;
+#if EAGLE3_AMX_BUILT
+      if (tiles && segs[s].kind == 4) {
+        const QuantSeg& g = segs[s];
+        const int64_t blocks = I / 32, local = grp - g.group0;
+        const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
+        const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
+        for (int64_t m0 = 0; m0 < M; m0 += kInt8TileRows) {
+          const int mt = (int)std::min<int64_t>(kInt8TileRows, M - m0);
+          if (mt != configured) amx_int8_configure(configured = mt);
+          amx_nibble_tile(rows.digits + m0 * nb32 * kDigitWords, rows.scale + m0 * nb32, rows.digit_sum + m0 * nb32,
+                          nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yp + m0 * O + g.out0 + local * kQuantLanes,
+                          O, valid, mt);
+        }
+        continue;
+      }
+#endif
       for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {
         const int mt = (int)std::min<int64_t>(kQuantTile, M - m0);
         kQuantGroups[mt - 1](segs[s], grp, base, rows, m0, yp, O);
@@ -1316,6 +1426,12 @@ int64_t parallel_threads() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16", &linear_bf16, "small-M linear: packed bf16 weight, bf16 x, fp32 out (amx: on AMX tiles)",
         py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("out_features"), py::arg("amx") = false);
+  m.def("amx_int8_available", &amx_int8_available, "whether this CPU has AMX-INT8 and the tiles are granted");
+  m.def("set_amx_int8", [](bool on) {
+    TORCH_CHECK(!on || amx_int8_available(), "set_amx_int8(True): this CPU or kernel grants no AMX-INT8 tiles");
+    g_amx_int8.store(on);
+  }, "4-bit codes of blocks of >= 2 rows on AMX-INT8 tiles (same bits as the VNNI path)");
+  m.def("amx_int8", []() { return g_amx_int8.load(); }, "whether set_amx_int8 switched the tiles on");
   m.def("amx_permitted", &amx_permitted, "whether this process may use AMX tiles (Linux grants them per process)");
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("linear_quant", &linear_quant, "small-M linear: GGUF codes packed by pack_quant, fp32 x and out");
