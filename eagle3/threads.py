@@ -122,7 +122,11 @@ class ThreadGovernor:
 
     Two counts: the process's (`high`, torch.get_num_threads() when made) and 1. For each it keeps an
     exponential average of steps/s over the steps it ran (steps, not tokens: the thread count changes
-    what a step costs, not what it accepts, and tokens per step swing 1-5 under speculation). It
+    what a step costs, not what it accepts, and tokens per step swing 1-5 under speculation), a step
+    weighed by its expected work where the decoder says it (`after_step(work)`: the adaptive step's
+    table cost of the arm it ran; a tree step costs 3-4 plain ones, and unweighed, a stretch of trees
+    after plain steps read as a slowdown past `suspect`, a one-thread probe that fell on a plain step
+    won, and decoding ran on one thread: GGUF codes, 80 x 256, adaptive 0.93x plain). It
     runs `high` until that average falls below `suspect` x the best seen with it (a core may have
     been taken: the slowdown measured is 5-10x), then tries 1 thread;
     it stays on whichever count is faster and probes the other for one step after `probe` steps,
@@ -164,10 +168,11 @@ class ThreadGovernor:
         self.t0 = time.perf_counter()
         return want != self.chosen
 
-    def after_step(self) -> None:
+    def after_step(self, work: Optional[float] = None) -> None:
+        """work: the step's expected cost in any fixed unit (None: every step alike)."""
         if not self.active:
             return
-        rate = 1.0 / max(time.perf_counter() - self.t0, 1e-9)
+        rate = (work or 1.0) / max(time.perf_counter() - self.t0, 1e-9)
         n = self.current
         old = self.rate[n]
         self.rate[n] = rate if old == 0 else self.memory * old + (1 - self.memory) * rate

@@ -51,6 +51,9 @@ class Scripted:
     def observe_catch_up(self, rows, ms):
         self.catch_ups = getattr(self, "catch_ups", []) + [(rows, ms)]
 
+    def step_cost_ms(self, arm, rows, levels, caught_up_rows=0):
+        return 1.0
+
 
 SCRIPTS = [(PLAIN, SHAPES[0]), (SHAPES[1], PLAIN, PLAIN, SHAPES[0], SHAPES[2]),
            (PLAIN, PLAIN, PLAIN, SHAPES[2]), (SHAPES[0], SHAPES[1])]

@@ -134,6 +134,30 @@ def test_a_mix_of_step_costs_on_a_quiet_machine_keeps_two_threads(monkeypatch):
         torch.set_num_threads(before)
 
 
+def test_a_step_weighed_by_its_expected_work_keeps_two_threads_through_stretches_of_trees(monkeypatch):
+    """Under the adaptive step a tree costs ~4 plain steps: a stretch of trees after plain steps is
+    not a slowdown once each step is weighed by its expected work (the policy's table cost).
+    Unweighed, this run spent 152 of its 640 steps on one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    machine = FakeMachine(monkeypatch, costs=(1.0,) * 20 + (4.0,) * 12)     # plain steps, then trees
+    gov = threads.ThreadGovernor()
+    counts = []
+    try:
+        for _ in range(640):
+            gov.before_step()
+            n = torch.get_num_threads()
+            machine.i += 1
+            cost = machine.costs[machine.i % len(machine.costs)]
+            machine.now += cost / (110.0 if n == 2 else 74.0)
+            gov.after_step(cost)
+            counts.append(n)
+        assert counts.count(1) <= 8 and counts[-100:].count(2) >= 99, counts.count(1)
+    finally:
+        gov.restore()
+        torch.set_num_threads(before)
+
+
 HAND_OVER = """
 import json, os, threading
 import eagle3, torch

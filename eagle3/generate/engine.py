@@ -153,7 +153,7 @@ class Engine:
                 decoder.timed = not probing
         step = decoder.step()
         if self.governor is not None:
-            self.governor.after_step()
+            self.governor.after_step(getattr(decoder, "expected_ms", None))
         return step
 
 

@@ -87,6 +87,7 @@ class SpecDecoder:
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
         self.timed = True      # the next step runs on the chosen thread count (Engine.decode_step)
+        self.expected_ms: Optional[float] = None   # the last step's cost by the policy's table
         cfg = draft.config
         self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
         self.suffix_only_tokens = policy.suffix_only_tokens if policy else 0
@@ -153,6 +154,9 @@ class SpecDecoder:
             self.spec = arm
             step = self.tree_step()
         wall_ms = 1e3 * (time.perf_counter() - t0)
+        # the thread governor weighs the step by this (a tree step costs several plain ones)
+        caught_rows = self.caught_up[0] if self.caught_up is not None else 0
+        self.expected_ms = self.policy.step_cost_ms(arm, step.proposed + 1, self.levels, caught_rows)
         if self.caught_up is not None:
             # the draft's catch-up over rows that plain / suffix-only steps left is the price of
             # coming back to drafting, paid once per return whatever the shape: charged to the

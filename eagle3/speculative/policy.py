@@ -209,6 +209,11 @@ class AdaptivePolicy:
             return self.costs.target(1)
         return self._forwards_ms(arm, rows, levels) + self.overhead_ms
 
+    def step_cost_ms(self, arm: Arm, rows: float, levels: float, caught_up_rows: int = 0) -> float:
+        """The table's ms of a step as run, with the draft's catch-up over `caught_up_rows` rows
+        first: what the thread governor weighs the step's wall time by."""
+        return self.table_ms(arm, rows, levels) + (self.costs.draft(caught_up_rows) if caught_up_rows else 0.0)
+
     def _forwards_ms(self, arm: Arm, rows: float, levels: float) -> float:
         draft = levels * self.costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
         return self.costs.target(rows) + draft
