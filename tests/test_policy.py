@@ -255,3 +255,22 @@ def test_a_probe_runs_probe_steps_steps(monkeypatch):
     monkeypatch.setattr(costs_module, "machine_costs", lambda *args, **kwargs: TABLE)
     make = adaptive_policy(None, None)
     assert make(False).probe_steps == SAMPLED_PROBE_STEPS > 1 and make(True).probe_steps == 1
+
+
+def test_kept_rates_equal_rates_computed_afresh():
+    """rate() keeps each arm's value until a step changes what it reads (its own averages, or the
+    drafting steps' shared overhead): after any sequence of steps every kept rate is the fresh one."""
+    import random
+    rng = random.Random(0)
+    p = AdaptivePolicy((TREE, CHAIN), TABLE, probe_every=4)
+    for i in range(300):
+        arm = p.choose(suffix_ready=i % 3 == 0)
+        proposed = 0 if arm == PLAIN else rng.randint(2, 12)
+        accepted = 0 if arm == PLAIN else rng.randint(0, min(proposed, 5))
+        levels = 0 if arm in (PLAIN, SUFFIX_ONLY) else rng.randint(1, 5)
+        wall = clock(TABLE, arm, proposed + 1, levels) * rng.uniform(0.7, 1.6) + rng.uniform(0, 2)
+        p.observe(arm, Step([0] * (accepted + 1), accepted, proposed=proposed), levels, wall,
+                  timed=rng.random() > 0.1)
+        kept = {a: p.rate(a) for a in p.arms(suffix_ready=True)}
+        p.rates.clear()
+        assert kept == {a: p.rate(a) for a in p.arms(suffix_ready=True)}, i
