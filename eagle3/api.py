@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from .errors import InputError
+from .memory import freeze_loaded
 from .generate import Engine
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -165,5 +166,7 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     policy = None
     if drafter is not None and spec is None and adaptive:
         policy = adaptive_policy(target, drafter)
-    return Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len,
-                  policy=policy)
+    engine = Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len,
+                    policy=policy)
+    freeze_loaded()     # the garbage collector's passes then skip the loaded engine's objects
+    return engine

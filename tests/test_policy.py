@@ -274,3 +274,17 @@ def test_kept_rates_equal_rates_computed_afresh():
         kept = {a: p.rate(a) for a in p.arms(suffix_ready=True)}
         p.rates.clear()
         assert kept == {a: p.rate(a) for a in p.arms(suffix_ready=True)}, i
+
+
+def test_one_step_held_up_barely_moves_an_arms_cost_and_a_lasting_change_is_followed():
+    """A 120 ms plain step (a garbage-collector pass; the table says 10 ms) made plain decoding cost
+    ~3.7x for the policy, which then drafted where drafting lost, and plain was not tried again for
+    hundreds of steps. Now a step's sample is held within 2x of the average (after a few steps)."""
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    for _ in range(20):
+        feed(p, PLAIN, 0, 0, 0)
+    feed(p, PLAIN, 0, 0, 0, wall_ms=120.0)
+    assert p.cost_ms(PLAIN) <= 1.11 * TABLE.target(1)
+    for _ in range(15):                            # the machine really is 2x slower now
+        feed(p, PLAIN, 0, 0, 0, wall_ms=2 * TABLE.target(1))
+    assert p.cost_ms(PLAIN) >= 1.75 * TABLE.target(1)

@@ -78,6 +78,7 @@ DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8
 SAMPLED_SHAPES = (SpecParams(3, 1, 4, 0.0), SpecParams(7, 1, 8, 0.0), SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
 SAMPLED_MEMORY = 0.97
 SAMPLED_PROBE_STEPS = 4
+BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
 
 @dataclass
@@ -92,6 +93,16 @@ class Rolling:
     def add(self, x: float) -> None:
         self.count += 1
         self.value += (x - self.value) * max(1.0 / self.count, 1.0 - self.memory)
+
+    def add_bounded(self, x: float, factor: float = 2.0, floor: float = 0.0) -> None:
+        """add(x), x first held within [value / factor, value * factor + floor] once a few values
+        are in: one step held up by something else (a garbage-collector pass, the OS) moves the
+        average by at most (factor - 1) x (1 - memory), while a lasting change is followed within
+        a few steps. Unbounded, one 120 ms plain step (26x its 4.6 ms) made plain decoding cost
+        ~15 ms for the policy, which then drafted where drafting lost for the rest of the run."""
+        if self.count >= BOUND_AFTER:
+            x = min(max(x, self.value / factor), self.value * factor + floor)
+        self.add(x)
 
 
 @dataclass
@@ -250,9 +261,9 @@ class AdaptivePolicy:
         if not timed:
             return
         if isinstance(arm, SpecParams):                    # the drafting steps' bookkeeping
-            self.overhead.add(max(wall_ms - self._forwards_ms(arm, rows, levels), 0.0))
+            self.overhead.add_bounded(max(wall_ms - self._forwards_ms(arm, rows, levels), 0.0), floor=1.0)
             self.rates = {PLAIN: self.rates[PLAIN]} if PLAIN in self.rates else {}   # all read it
-        s.ratio.add(wall_ms / self.table_ms(arm, rows, levels))
+        s.ratio.add_bounded(wall_ms / self.table_ms(arm, rows, levels))
 
     def observe_catch_up(self, rows: int, ms: float) -> None:
         """A drafting step first ran the draft over `rows` rows that plain or suffix-only steps left

@@ -238,6 +238,17 @@ class SuffixCache:
         return out
 
 
+class _Lookup:
+    """tokens[pos]: a sequence's lookup for its trie, holding the list and not the index."""
+    __slots__ = ("tokens",)
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def __call__(self, pos: int) -> int:
+        return self.tokens[pos]
+
+
 class SuffixIndex:
     """The suffix index of one growing sequence (prompt + output): `extend` as tokens are emitted,
     `propose` before each draft tree. O(max_match) per appended token and per proposal."""
@@ -247,11 +258,11 @@ class SuffixIndex:
         if max_candidates < 1:
             raise InputError(f"SuffixIndex max_candidates must be >= 1, got {max_candidates}")
         self.tokens: list[int] = []
-        self.trie = _ContextTrie(min_match, max_match, self._token_at)   # a method of self, so
-        self.max_candidates, self.cache = max_candidates, cache          # copy.deepcopy works
-
-    def _token_at(self, pos: int) -> int:
-        return self.tokens[pos]
+        # the list's own lookup, not a method of self: a trie holding self would make every index
+        # a reference cycle, its thousands of nodes freed only by the garbage collector (gen-2
+        # passes of 50-120 ms in a decode step, which the adaptive step took for a slow arm)
+        self.trie = _ContextTrie(min_match, max_match, _Lookup(self.tokens))   # deepcopy-safe too
+        self.max_candidates, self.cache = max_candidates, cache
 
     def extend(self, tokens: Iterable[int]) -> None:
         for tok in tokens:
