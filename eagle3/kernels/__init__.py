@@ -40,7 +40,7 @@ LDFLAGS = ["-fopenmp", f"-Wl,-rpath,{Path(torch.__file__).parent / 'lib'}"]
 
 VNNI_FLAG = "avx512_vnni"       # /proc/cpuinfo's name; linear_quant's integer dot products need it
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})   # linear_bf16(amx=True) needs both (and the OS's grant)
-AMX_INT8_FLAGS = frozenset({"amx_tile", "amx_int8"})   # linear_quant's 4-bit codes of 2+ rows on tiles
+AMX_INT8_FLAGS = frozenset({"amx_tile", "amx_int8"})   # linear_quant's 4-bit codes of 8+ rows on tiles
 AMX_WIDTH = 32                  # linear_bf16(amx=True) takes input widths that are multiples of this
 
 
@@ -51,7 +51,7 @@ class KernelState(NamedTuple):
     build_dir: Optional[Path] = None
     vnni: bool = False          # 4-bit GGUF codes may run on integer dot products (AVX512-VNNI)
     amx: bool = False           # bf16 weights run on AMX tile multiplies (linear_bf16's amx)
-    amx_int8: bool = False      # 4-bit codes of blocks of 2+ rows on AMX-INT8 tiles (VNNI's bits)
+    amx_int8: bool = False      # 4-bit codes of blocks of 8+ rows on AMX-INT8 tiles (VNNI's bits)
 
 
 _STATE: Optional[KernelState] = None
@@ -88,8 +88,8 @@ def _build() -> KernelState:
     vnni = VNNI_FLAG in flags and os.environ.get("EAGLE3_VNNI", "1") != "0"
     amx = (bf16 and AMX_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
            and bool(module.amx_permitted()))
-    # the integer dot products of 4-bit codes on tiles: exact integer sums, so the same bits as
-    # the VNNI path; a verify block of 8 rows then costs about what 2 cost on VNNI
+    # the integer dot products of 4-bit codes on tiles for blocks of 8+ rows: exact integer sums,
+    # so the same bits as the VNNI path (faster from 16 rows: prefill pieces, long verify blocks)
     amx_int8 = (vnni and AMX_INT8_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
                 and bool(module.amx_int8_available()))
     module.set_amx_int8(amx_int8)

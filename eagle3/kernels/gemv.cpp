@@ -1072,13 +1072,23 @@ void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, fl
     }
 }
 
+// One row's block of 16 outputs from its three digit planes' integer sums p0, p1, p2 (exact: their
+// order does not matter), in one fixed float order: d * s * (p2 * 65536 + (p0 + p1 * 256)) + m * xs
+// added to acc. The VNNI and the AMX-INT8 paths both end here, so they give the same bits.
+inline __m512 add_digit_sums(__m512i p0, __m512i p1, __m512i p2, __m512 d, __m512 m, float s, float xs,
+                             __m512 acc) {
+  const __m512i low2 = _mm512_add_epi32(p0, _mm512_slli_epi32(p1, 8));
+  const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p2), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(low2));
+  acc = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(s)), sum, acc);
+  return _mm512_fmadd_ps(m, _mm512_set1_ps(xs), acc);
+}
+
 // MT rows against one group of 16 outputs of a kind-4 segment, on integer dot products
 template <int MT>
 __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
     const int32_t* digits, const float* scale, const float* xsum, int64_t nb, const uint8_t* rec,
     int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 radix2 = _mm512_set1_ps(65536.0f);
   __m512 acc[MT];
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
@@ -1100,26 +1110,22 @@ __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
           for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
           dot[p][h] = a;
         }
-      const __m512i low2 = _mm512_add_epi32(_mm512_add_epi32(dot[0][0], dot[0][1]),
-                                            _mm512_slli_epi32(_mm512_add_epi32(dot[1][0], dot[1][1]), 8));
-      const __m512 high = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[2][0], dot[2][1]));
-      const __m512 sum = _mm512_fmadd_ps(high, radix2, _mm512_cvtepi32_ps(low2));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), sum, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+      acc[r] = add_digit_sums(_mm512_add_epi32(dot[0][0], dot[0][1]), _mm512_add_epi32(dot[1][0], dot[1][1]),
+                              _mm512_add_epi32(dot[2][0], dot[2][1]), d, m, scale[r * nb + b], xsum[r * nb + b],
+                              acc[r]);
     }
   }
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
 }
 
-// ---- 4-bit codes on AMX-INT8 tiles (blocks of 2..16 rows; Sapphire Rapids and later)
+// ---- 4-bit codes on AMX-INT8 tiles (blocks of 8+ rows, 16 at a time; Sapphire Rapids and later)
 // The same integer dot products as nibble_tile_vnni, as tile multiplies: per block of 32 inputs and
 // digit plane p, C_p [rows x 16 outputs] = A_p [rows x 32 digits] . B [32 x 16 codes] (tdpbssd:
 // codes 0..15 and digits are both in int8 range). B's row 2k + h is the VNNI path's codes[k][h]
 // (four inputs per output), A_p's row r the plane's eight digit words of row r in the same [k][half]
 // order, so C_p holds the VNNI path's dot[p][0] + dot[p][1] exactly (integer sums have no order),
-// and the float steps after it are the VNNI path's, in its order: a row's result has the VNNI
-// path's bits whatever the block (tests/test_quant.py compares the two bit for bit). One tile
-// multiply is 16 x 16 x 32 products: a verify block of 8 rows costs about what 2 cost on VNNI.
+// and the float steps after it are the VNNI path's (add_digit_sums): a row's result has the VNNI
+// path's bits whatever the block (tests/test_quant.py compares the two bit for bit).
 #if EAGLE3_AMX_BUILT
 #define AMX_INT8 __attribute__((target("amx-tile,amx-int8")))
 constexpr int kInt8TileRows = 16;
@@ -1141,7 +1147,6 @@ AMX_INT8 void amx_nibble_tile(const int32_t* digits, const float* scale, const f
                               const uint8_t* rec, int64_t blocks, int64_t rec_bytes, int64_t sb, float* y,
                               int64_t ldy, int valid, int rows) {
   const __m512i low = _mm512_set1_epi8(0x0F);
-  const __m512 radix2 = _mm512_set1_ps(65536.0f);
   const int64_t lda = nb * kDigitWords * 4;            // bytes from one row's digits to the next's
   alignas(64) int32_t bt[8 * 16];
   alignas(64) int32_t ct[3][kInt8TileRows * 16];
@@ -1171,12 +1176,9 @@ AMX_INT8 void amx_nibble_tile(const int32_t* digits, const float* scale, const f
     const __m512 d = load_scales(rec + Nibbles::kScalesAt, sb);
     const __m512 m = load_scales(rec + Nibbles::kScalesAt + 16 * sb, sb);
     for (int r = 0; r < rows; ++r) {
-      const __m512i low2 = _mm512_add_epi32(_mm512_load_si512(ct[0] + 16 * r),
-                                            _mm512_slli_epi32(_mm512_load_si512(ct[1] + 16 * r), 8));
-      const __m512 high = _mm512_cvtepi32_ps(_mm512_load_si512(ct[2] + 16 * r));
-      const __m512 sum = _mm512_fmadd_ps(high, radix2, _mm512_cvtepi32_ps(low2));
-      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), sum, acc[r]);
-      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+      acc[r] = add_digit_sums(_mm512_load_si512(ct[0] + 16 * r), _mm512_load_si512(ct[1] + 16 * r),
+                              _mm512_load_si512(ct[2] + 16 * r), d, m, scale[r * nb + b], xsum[r * nb + b],
+                              acc[r]);
     }
   }
   for (int r = 0; r < rows; ++r) store_lanes(y + r * ldy, acc[r], valid);
@@ -1430,8 +1432,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_amx_int8", [](bool on) {
     TORCH_CHECK(!on || amx_int8_available(), "set_amx_int8(True): this CPU or kernel grants no AMX-INT8 tiles");
     g_amx_int8.store(on);
-  }, "4-bit codes of blocks of >= 2 rows on AMX-INT8 tiles (same bits as the VNNI path)");
-  m.def("amx_int8", []() { return g_amx_int8.load(); }, "whether set_amx_int8 switched the tiles on");
+  }, "4-bit codes of blocks of >= 8 rows on AMX-INT8 tiles (same bits as the VNNI path)");
   m.def("amx_permitted", &amx_permitted, "whether this process may use AMX tiles (Linux grants them per process)");
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("linear_quant", &linear_quant, "small-M linear: GGUF codes packed by pack_quant, fp32 x and out");

@@ -87,7 +87,7 @@ class SpecDecoder:
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
         self.timed = True      # the next step runs on the chosen thread count (Engine.decode_step)
-        self.expected_ms: Optional[float] = None   # the last step's cost by the policy's table
+        self.last_run: Optional[tuple] = None   # the last policy step: arm, rows, levels, catch-up rows
         cfg = draft.config
         self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
         self.suffix_only_tokens = policy.suffix_only_tokens if policy else 0
@@ -111,6 +111,12 @@ class SpecDecoder:
         self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
         self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
+
+    @property
+    def expected_ms(self) -> Optional[float]:
+        """The last policy step's cost by the policy's table, catch-up included: what the thread
+        governor weighs the step's time by (a tree step costs several plain ones)."""
+        return None if self.last_run is None else self.policy.step_cost_ms(*self.last_run)
 
     @property
     def slack(self) -> int:
@@ -154,9 +160,7 @@ class SpecDecoder:
             self.spec = arm
             step = self.tree_step()
         wall_ms = 1e3 * (time.perf_counter() - t0)
-        # the thread governor weighs the step by this (a tree step costs several plain ones)
-        caught_rows = self.caught_up[0] if self.caught_up is not None else 0
-        self.expected_ms = self.policy.step_cost_ms(arm, step.proposed + 1, self.levels, caught_rows)
+        self.last_run = (arm, step.proposed + 1, self.levels, self.caught_up[0] if self.caught_up else 0)
         if self.caught_up is not None:
             # the draft's catch-up over rows that plain / suffix-only steps left is the price of
             # coming back to drafting, paid once per return whatever the shape: charged to the
