@@ -12,6 +12,7 @@ from .generate import Engine
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 WEIGHT_CHOICES = ("auto", "gguf", "fp32", "bf16")
+DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
 SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
 DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
 
@@ -44,11 +45,43 @@ def draft_weight_dtype(choice: str) -> torch.dtype:
     if choice == "auto":
         return torch.bfloat16 if bf16_ok else torch.float32
     if choice not in WEIGHT_DTYPES:
-        raise InputError(f"draft_weights={choice!r}: choose auto, {', '.join(sorted(WEIGHT_DTYPES))}")
+        raise InputError(f"draft_weights={choice!r}: choose one of {', '.join(DRAFT_WEIGHT_CHOICES)}")
     if choice == "bf16" and not bf16_ok:
         raise InputError("draft_weights=bf16: this CPU/torch build has no oneDNN bf16 kernels; "
                          "use draft_weights=fp32 (or auto)")
     return WEIGHT_DTYPES[choice]
+
+
+def resolve_draft_weights(choice: str, draft=None) -> str:
+    """The draft's CPU weights: "q4" | "bf16" | "fp32". "auto" takes q4 where it runs (4-bit blocks
+    quantized at load, inputs rounded to one byte, on the kernels' integer dot products: a draft
+    forward of SmolLM2's draft ~0.38 ms at 4 rows against bf16's ~0.76, MT-bench tau unchanged,
+    docs/bench.md), else bf16 where oneDNN has bf16 kernels, else fp32. The draft only proposes,
+    so each choice changes acceptance and speed, never the output."""
+    if choice not in DRAFT_WEIGHT_CHOICES:
+        raise InputError(f"draft_weights={choice!r}: choose one of {', '.join(DRAFT_WEIGHT_CHOICES)}")
+    if choice in ("auto", "q4"):
+        why = q4_draft_unavailable(draft)
+        if why is None:
+            return "q4"
+        if choice == "q4":
+            raise InputError(f"draft_weights=q4: {why}; use draft_weights=bf16 or fp32 (or auto)")
+    return "bf16" if draft_weight_dtype(choice) == torch.bfloat16 else "fp32"
+
+
+def q4_draft_unavailable(draft=None) -> Optional[str]:
+    """Why a draft cannot run as q4 here (None: it can): the kernels, their integer dot products
+    (AVX512-VNNI), and input widths in blocks of 32."""
+    from . import kernels
+    if kernels.quant_linear() is None:
+        return f"the eagle3 kernels are not available ({kernels.why()})"
+    if not kernels.integer_dots():
+        return "this CPU runs no integer dot products (AVX512-VNNI), which q4 drafts run on"
+    widths = sorted({m.in_features for m in draft.modules() if isinstance(m, torch.nn.Linear)}) if draft else []
+    odd = [w for w in widths if w % 32]
+    if odd:
+        return f"the draft has linears of input width {odd[0]}, not a multiple of the 32-input blocks"
+    return None
 
 
 def resolve_weights(weights: str, source=None, native_cpu: bool = True) -> str:
@@ -87,8 +120,8 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
         # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
         target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
     if draft is not None:
-        cpu = draft.device.type == "cpu"
-        draft = build_draft_layout(draft, draft_weight_dtype(draft_weights) if cpu else torch.float32)
+        choice = resolve_draft_weights(draft_weights, draft) if draft.device.type == "cpu" else "fp32"
+        draft = build_draft_layout(draft, WEIGHT_DTYPES.get(choice, torch.float32), quantize=choice == "q4")
     return target, draft
 
 

@@ -36,9 +36,11 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                         "weights; matches HF transformers), bf16 (a different model numerically; "
                         "verify and decode stay bit-identical, so speculation stays lossless); auto "
                         "(default): gguf for a GGUF target, else fp32")
-    p.add_argument("--draft-weights", choices=["auto", "fp32", "bf16"], default="auto",
-                   help="draft GEMM weights on CPU (auto: bf16 where oneDNN supports it); the draft "
-                        "only proposes, so the output is the same either way")
+    p.add_argument("--draft-weights", choices=["auto", "q4", "bf16", "fp32"], default="auto",
+                   help="draft weights on CPU: q4 (4-bit blocks quantized at load, one-byte inputs, "
+                        "on the kernels' integer dot products: ~2x faster draft forwards), bf16, fp32; "
+                        "auto: q4 where it runs, else bf16 where oneDNN supports it, else fp32. The "
+                        "draft only proposes, so the output is the same either way")
 
 
 SHAPE_FLAGS = ("top_k", "depth", "num_draft_tokens", "min_prob", "suffix_tokens")

@@ -412,6 +412,27 @@ def test_bf16_draft_weights_keep_greedy_identity(target, reference):
         assert result.tau >= 2.0      # a bf16 oracle still proposes mostly the right tokens
 
 
+needs_q4 = pytest.mark.skipif(__import__("eagle3.api").api.q4_draft_unavailable() is not None,
+                              reason="no q4 drafts here (eagle3.api.q4_draft_unavailable)")
+
+
+@pytest.mark.lossless
+@needs_q4
+def test_q4_draft_weights_keep_greedy_identity(target, reference):
+    """A q4 draft (4-bit codes, inputs rounded to a byte) changes proposals, never the output."""
+    import copy
+
+    from eagle3.draft.inference import build_draft_layout
+    draft = oracle_draft(target, PROMPT + reference)
+    layout = build_draft_layout(copy.deepcopy(draft), quantize=True)
+    assert layout.weights_name == "q4" and all(l.one_digit for l in layout.linears)
+    low = OracleLayout(layout, draft)
+    for spec in (SpecParams.chain(4), SpecParams(3, 4, 10, 0.0)):
+        result = spec_engine(target, low, spec).generate(prompt_ids=PROMPT, params=GREEDY)
+        assert result.token_ids == reference
+        assert result.tau >= 2.0      # a q4 oracle still proposes mostly the right tokens
+
+
 def test_draft_weights_choice_is_checked():
     from eagle3.api import draft_weight_dtype
     from eagle3.errors import InputError

@@ -184,7 +184,19 @@ def run_meta(argv: list[str], cfg: BenchConfig, setup, elapsed_s: float, load_be
             "elapsed_s": elapsed_s, "date": time.strftime("%Y-%m-%d %H:%M"),
             "machine": machine_info(setup.systems[0].device),
             "load_avg_1min": {"before": load_before, "after": os.getloadavg()[0]},
-            "workload": workload_text(cfg, len(setup.prompts))}
+            "workload": workload_text(cfg, len(setup.prompts)), "layouts": layouts(setup.systems)}
+
+
+def layouts(systems) -> dict:
+    """What our target's and draft's linears ran ("gguf:Q4_1+Q8_0, int8 dot", "q4", ...)."""
+    out = {}
+    for system in systems:
+        engine = getattr(system, "engine", None)
+        for role in ("target", "draft"):
+            name = getattr(getattr(engine, role, None), "weights_name", None)
+            if name is not None:
+                out.setdefault(role, name)
+    return out
 
 
 def workload_text(cfg: BenchConfig, num_prompts: int) -> str:

@@ -44,7 +44,7 @@ class BenchConfig:
     max_model_len: int = 2048
     clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
     weights: str = "auto"                          # our target's weights: auto | gguf | fp32 | bf16 (CPU)
-    draft_weights: str = "auto"                    # the draft's: auto (bf16 where supported) | bf16 | fp32
+    draft_weights: str = "auto"                    # the draft's: auto | q4 | bf16 | fp32 (api.resolve_draft_weights)
     workload: str = "mtbench"                      # a key of workload.WORKLOADS
     vllm_python: Optional[str] = None              # None: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python
     vllm_eager: bool = False                       # vLLM enforce_eager (default: compiled)

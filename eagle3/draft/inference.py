@@ -17,36 +17,49 @@ from ..models.llama import as_block, rows_of
 from ..runtime.backend import Backend, choose_backend
 from ..runtime.layer import FastLayer, norm_of
 from ..runtime.linear import PackedLinear
+from ..runtime.quant import quantize_q4
 from .model import DraftBase, DraftConfig, DraftOutput, Eagle3Draft, block_mask
 
 
 class InferenceDraft:
-    def __init__(self, draft: DraftBase, backend: Backend):
+    def __init__(self, draft: DraftBase, backend: Backend, quantize: bool = False):
+        # quantize: every linear as 4-bit codes with one-byte inputs (runtime.quant.quantize_q4;
+        # `--draft-weights q4`), blocks past the kernels' rows on the fp32 weights
         self.reference = draft                         # config, vocabulary maps, contract checks
         self.config: DraftConfig = draft.config
         self.backend = backend
+        self.quantized = quantize
+        q4 = (lambda w: [quantize_q4(w)]) if quantize else (lambda w: None)
+        layer_codes = _q4_codes if quantize else (lambda layer: None)
         self.embed_tokens = draft.embed_tokens
         self.cos, self.sin = draft.rotary.cos, draft.rotary.sin
         self.eagle3 = isinstance(draft, Eagle3Draft)
         fc_bias = None if self.eagle3 else draft.fc.bias
-        self.fc = PackedLinear(draft.fc.weight, fc_bias, backend)
-        self.lm_head = PackedLinear(draft.lm_head.weight, None, backend)
+        self.fc = PackedLinear(draft.fc.weight, fc_bias, backend, q4(draft.fc.weight))
+        self.lm_head = PackedLinear(draft.lm_head.weight, None, backend, q4(draft.lm_head.weight))
         if self.eagle3:
             mid = draft.midlayer
             self.input_norm, self.hidden_norm = norm_of(mid.input_layernorm), norm_of(mid.hidden_norm)
             self.norm = norm_of(draft.norm)
             self.pre_fc_norm = norm_of(draft.pre_fc_norm) if draft.pre_fc_norm is not None else None
-            self.layer = FastLayer(mid.self_attn, mid.mlp, None, mid.post_attention_layernorm, backend)
-            self.extra = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend)
-                          for l in draft.extra_layers]
+            self.layer = FastLayer(mid.self_attn, mid.mlp, None, mid.post_attention_layernorm, backend,
+                                   layer_codes(mid))
+            self.extra = [FastLayer(l.self_attn, l.mlp, l.input_layernorm, l.post_attention_layernorm, backend,
+                                    layer_codes(l)) for l in draft.extra_layers]
         else:
             layer = draft.layers[0]
-            self.layer = FastLayer(layer.self_attn, layer.mlp, None, layer.post_attention_layernorm, backend)
+            self.layer = FastLayer(layer.self_attn, layer.mlp, None, layer.post_attention_layernorm, backend,
+                                   layer_codes(layer))
             self.extra = []
 
     @property
     def device(self) -> torch.device:
         return self.backend.device
+
+    @property
+    def weights_name(self) -> str:
+        """What the linears run: "q4" (4-bit codes, one-byte inputs) or the weight dtype."""
+        return "q4" if self.quantized else str(self.backend.weight_dtype)
 
     @property
     def linears(self) -> list[PackedLinear]:
@@ -105,7 +118,14 @@ class InferenceDraft:
 
 
 def build_draft_layout(draft: DraftBase, weight_dtype: torch.dtype = torch.float32,
-                       backend: Optional[Backend] = None) -> InferenceDraft:
-    """The inference layout of `draft` (left as it is): GEMM weights in `weight_dtype`."""
+                       backend: Optional[Backend] = None, quantize: bool = False) -> InferenceDraft:
+    """The inference layout of `draft` (left as it is): GEMM weights in `weight_dtype`, or with
+    quantize as 4-bit codes on the kernels (fp32 weights kept for blocks past them)."""
     device = draft.embed_tokens.weight.device
-    return InferenceDraft(draft, backend or choose_backend(device, weight_dtype))
+    return InferenceDraft(draft, backend or choose_backend(device, torch.float32 if quantize else weight_dtype),
+                          quantize)
+
+
+def _q4_codes(layer: torch.nn.Module) -> dict:
+    """A decoder layer's projections as q4 codes by weight name ("self_attn.q_proj.weight")."""
+    return {name: quantize_q4(p) for name, p in layer.named_parameters() if name.endswith("_proj.weight")}

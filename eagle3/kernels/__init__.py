@@ -191,7 +191,7 @@ def integer_dots() -> bool:
     return state().vnni
 
 
-def pack_quant(parts: list, integer_dots: Optional[bool] = None) -> torch.Tensor:
+def pack_quant(parts: list, integer_dots: Optional[bool] = None, one_digit: bool = False) -> torch.Tensor:
     """GGUF integer codes -> linear_quant's packed weight (the layout is documented in gemv.cpp).
 
     parts: one per run of outputs, each (kind, block, codes [O, I], scales [O, I/block] fp32,
@@ -199,14 +199,22 @@ def pack_quant(parts: list, integer_dots: Optional[bool] = None) -> torch.Tensor
     kind 5 = codes -16..15 (5 bits) and kind 8 = int8 codes, both w = scale * code. Scales and
     offsets are stored in fp16 where that is exact, else fp32. integer_dots (default: the CPU has
     AVX512-VNNI): kind-4 codes meet the activations as byte digits in integer dot products (gemv.cpp
-    nibble_tile_vnni), fixed for the packed weight's life so every call rounds alike."""
+    nibble_tile_vnni), fixed for the packed weight's life so every call rounds alike. one_digit
+    (with integer dots): each block of 32 inputs is rounded to one signed byte under its largest
+    instead of three exact digits (a third of the integer work; for a draft, whose precision only
+    changes what it proposes: runtime.quant.quantize_q4)."""
     if integer_dots is None:
         integer_dots = state().vnni
     elif integer_dots and VNNI_FLAG not in cpu_flags():
         raise ValueError("pack_quant(integer_dots=True): this CPU has no AVX512-VNNI, so linear_quant "
                          "could not run the weight; pass integer_dots=None (the CPU's choice) or False")
+    if one_digit and not integer_dots:
+        raise ValueError("pack_quant(one_digit=True) rounds inputs for integer dot products, which this "
+                         "packing does not use (no AVX512-VNNI, or integer_dots=False); pack with "
+                         "one_digit=False")
     in_features = parts[0][2].shape[1]
-    header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts), int(bool(integer_dots))]
+    flags = int(bool(integer_dots)) | (2 if one_digit else 0)
+    header = [QUANT_MAGIC, len(parts), in_features, sum(p[2].shape[0] for p in parts), flags]
     blobs, offset = [], _align(8 * (5 + 6 * len(parts)))
     for kind, block, codes, scales, offsets in parts:
         if codes.shape[1] != in_features:

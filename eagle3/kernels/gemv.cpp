@@ -880,6 +880,12 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // acc += (scale * s) * dot + offset * (s * sum_j X_j). The offset meets the same rounded inputs as
 // the codes, so the result is the file's exact weights times inputs moved by at most s / 2. Integer
 // sums have no order, so a row's result is independent of the call's other rows.
+//
+// One digit (flags bit 1, with bit 0; a draft's weights, eagle3.runtime.quant.quantize_q4): X =
+// round(x / s) with s = max |x| / 127 is one signed byte, as llama.cpp rounds activations for its
+// integer dots (Q8_1), so a block costs a third of the integer dot products and the inputs move by
+// up to s / 2 (~0.4% of the block's largest): for a draft, whose precision changes only what it
+// proposes. The planes past the first stay zero, and the same float steps follow.
 namespace {
 
 constexpr int64_t kQuantMagic = 0x5451474746;   // "FGGQT": the header with flags
@@ -887,6 +893,7 @@ constexpr int64_t kHeaderWords = 5;
 constexpr int kPlanes = 3;                       // byte digits per activation
 constexpr int kDigitWords = kPlanes * 8;         // int32 words of digits per row and block of 32
 constexpr float kDigitMax = 8355000.0f;          // < 127 * (65536 + 256 + 1): d2 never leaves int8
+constexpr float kOneDigitMax = 127.0f;           // one digit: X itself is the byte
 constexpr int kQuantLanes = 16;
 
 // Each tile asks for the bytes kAhead past the record it reads, a record's worth per record: a
@@ -907,6 +914,7 @@ struct QuantSeg {
 struct QuantHeader {
   std::vector<QuantSeg> segs;
   bool integer_dots;           // flags bit 0
+  bool one_digit;              // flags bit 1 (with bit 0): inputs rounded to one byte per block
 };
 
 QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
@@ -916,8 +924,8 @@ QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64
   TORCH_CHECK(h[0] == kQuantMagic, "packed quantized weight: bad magic (not made by pack_quant)");
   TORCH_CHECK(h[2] == in_features, "x width ", in_features, " != the packed weight's input width ", h[2]);
   TORCH_CHECK(h[3] == out_features, "out_features ", out_features, " != the packed weight's ", h[3]);
-  TORCH_CHECK(h[4] == 0 || h[4] == 1, "packed quantized weight: flags ", h[4], " (known: bit 0, integer dot "
-              "products); pack it again with this eagle3's pack_quant");
+  TORCH_CHECK(h[4] == 0 || h[4] == 1 || h[4] == 3, "packed quantized weight: flags ", h[4], " (known: bit 0, "
+              "integer dot products; bit 1 with bit 0, one digit); pack it again with this eagle3's pack_quant");
   std::vector<QuantSeg> segs;
   int64_t out0 = 0, group0 = 0;
   for (int64_t s = 0; s < h[1]; ++s) {
@@ -935,7 +943,7 @@ QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64
     group0 += groups;
   }
   TORCH_CHECK(out0 == out_features, "segments cover ", out0, " outputs, expected ", out_features);
-  return {segs, h[4] == 1};
+  return {segs, (h[4] & 1) != 0, (h[4] & 2) != 0};
 }
 
 inline __m512 load_scales(const uint8_t* p, int64_t scale_bytes) {
@@ -1032,7 +1040,10 @@ void nibble_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, c
 // 8k + 1, 3, 5, 7 (the byte order of the nibbles masked out of a code word); the block's s and
 // s * sum_j X_j. A block with an inf or NaN input gets a NaN s, so its outputs are NaN as on the
 // FMA path.
-void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, float* scale, float* xsum) {
+void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, float* scale, float* xsum,
+                       bool one_digit) {
+  const int planes = one_digit ? 1 : kPlanes;
+  const float digit_max = one_digit ? kOneDigitMax : kDigitMax;
   const int64_t nb = I / 32;
   const __m512 sign = _mm512_set1_ps(-0.0f);
   const __m512i bias = _mm512_set1_epi32(128), mask = _mm512_set1_epi32(255);
@@ -1048,20 +1059,21 @@ void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, fl
       float& sum = xsum[r * nb + b];
       const bool finite = std::isfinite(m) && !_mm512_cmp_ps_mask(v[0], v[0], _CMP_UNORD_Q) &&
                           !_mm512_cmp_ps_mask(v[1], v[1], _CMP_UNORD_Q);
-      s = finite ? m / kDigitMax : std::numeric_limits<float>::quiet_NaN();
+      s = finite ? m / digit_max : std::numeric_limits<float>::quiet_NaN();
       if (!finite || !(s > 0.0f)) {            // inf / NaN among the inputs, or all zero (or underflow)
         if (finite) s = 0.0f;
         sum = s;
         std::fill(d, d + kDigitWords, 0);
         continue;
       }
-      const __m512 inv = _mm512_set1_ps(kDigitMax / m);
+      const __m512 inv = _mm512_set1_ps(digit_max / m);
       int32_t total = 0;
+      if (one_digit) std::fill(d + 8, d + kDigitWords, 0);
       for (int h = 0; h < 2; ++h) {           // inputs 16h .. 16h + 15: k = 2h, 2h + 1
         __m512i X = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         total += _mm512_reduce_add_epi32(X);
-        for (int p = 0; p < kPlanes; ++p) {
-          const __m512i digit = p + 1 < kPlanes
+        for (int p = 0; p < planes; ++p) {
+          const __m512i digit = p + 1 < planes
               ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, bias), mask), bias) : X;
           const __m128i bytes = _mm_shuffle_epi8(_mm512_cvtepi32_epi8(digit), order);
           _mm_storeu_si128(reinterpret_cast<__m128i*>(d + p * 8 + 4 * h), bytes);
@@ -1083,8 +1095,9 @@ inline __m512 add_digit_sums(__m512i p0, __m512i p1, __m512i p2, __m512 d, __m51
   return _mm512_fmadd_ps(m, _mm512_set1_ps(xs), acc);
 }
 
-// MT rows against one group of 16 outputs of a kind-4 segment, on integer dot products
-template <int MT>
+// MT rows against one group of 16 outputs of a kind-4 segment, on integer dot products over the
+// first P digit planes (P = 1: one digit, the other planes' sums zero)
+template <int MT, int P>
 __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
     const int32_t* digits, const float* scale, const float* xsum, int64_t nb, const uint8_t* rec,
     int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
@@ -1107,7 +1120,8 @@ __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
       for (int p = 0; p < kPlanes; ++p)
         for (int h = 0; h < 2; ++h) {
           __m512i a = _mm512_setzero_si512();
-          for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
+          if (p < P)
+            for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
           dot[p][h] = a;
         }
       acc[r] = add_digit_sums(_mm512_add_epi32(dot[0][0], dot[0][1]), _mm512_add_epi32(dot[1][0], dot[1][1]),
@@ -1236,6 +1250,7 @@ struct QuantRows {
   const int32_t* digits;     // null: kind 4 on the FMA path
   const float* scale;        // per row and block: the digits' s and s * sum_j X_j
   const float* digit_sum;
+  bool one_digit;            // the digits are one plane (flags bit 1)
 };
 
 template <int MT>
@@ -1247,9 +1262,12 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const Qu
   const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
   const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
   float* yo = y + m0 * O + g.out0 + local * kQuantLanes;
-  if (g.kind == 4 && q.digits)
-    nibble_tile_vnni<MT>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32, rec, blocks,
-                         g.rec_bytes, g.scale_bytes, yo, O, valid);
+  if (g.kind == 4 && q.digits && q.one_digit)
+    nibble_tile_vnni<MT, 1>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32, rec,
+                            blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.kind == 4 && q.digits)
+    nibble_tile_vnni<MT, kPlanes>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32,
+                                  rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.kind == 4) nibble_tile<MT, Nibbles>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.kind == 5) nibble_tile<MT, FiveBits>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.block == 32) q8_tile<MT, 32>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
@@ -1300,13 +1318,15 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
     digits.resize(M * nb32 * kDigitWords);
     scale.resize(M * nb32);
     digit_sum.resize(M * nb32);
-    activation_digits(xp, M, I, digits.data(), scale.data(), digit_sum.data());
+    activation_digits(xp, M, I, digits.data(), scale.data(), digit_sum.data(), header.one_digit);
   }
   const QuantRows rows{xp, I, xsum.data(), nb32, digits.empty() ? nullptr : digits.data(), scale.data(),
-                       digit_sum.data()};
+                       digit_sum.data(), header.one_digit};
   const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
   float* yp = y.data_ptr<float>();
-  const bool tiles = EAGLE3_AMX_BUILT && !digits.empty() && M >= kInt8MinRows && g_amx_int8.load();
+  // one digit stays on VNNI: its blocks cost a third of the three planes', below the tiles' floor
+  const bool tiles = EAGLE3_AMX_BUILT && !digits.empty() && !header.one_digit && M >= kInt8MinRows &&
+                     g_amx_int8.load();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
     size_t s = 0;
     int configured = 0;

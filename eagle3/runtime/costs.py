@@ -138,7 +138,7 @@ def cost_key(target, draft) -> str:
     if draft is not None:
         dcfg = draft.config
         parts.append(f"draft:{dcfg.hidden_size}:{dcfg.draft_vocab_size}:"
-                     f"{getattr(getattr(draft, 'backend', None), 'weight_dtype', '')}")
+                     f"{getattr(draft, 'weights_name', '')}")
     return hashlib.sha1("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -37,10 +37,14 @@ class PackedLinear:
         self.quant_types: tuple[str, ...] = ()
         self.integer_dots = False      # 4-bit codes on integer dot products (gemv.cpp nibble_tile_vnni)
         self.amx = False               # bf16 on AMX tile multiplies (gemv.cpp run_amx)
+        self.one_digit = False         # 4-bit codes meet inputs rounded to one byte (a draft's)
         if backend.kernels is not None and codes:
             self.small = kernels.quant_linear()
             self.integer_dots = kernels.integer_dots() and any(c.kernel_part()[0] == 4 for c in codes)
-            self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes], self.integer_dots)
+            # one-byte inputs where every part allows them (a draft's quantize_q4) and integer dots run
+            self.one_digit = self.integer_dots and all(c.int8_inputs for c in codes)
+            self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes], self.integer_dots,
+                                                   self.one_digit)
             self.quant_types = tuple(c.ggml_type for c in codes)
         elif backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
             # bf16 on AMX tiles where the machine has them: fixed for this weight's life

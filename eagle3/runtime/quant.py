@@ -49,6 +49,8 @@ class QuantCodes:
     codes: torch.Tensor              # [O, I] uint8 (kind 4) or int8 (kind 8)
     scales: torch.Tensor             # [O, I / block] fp32
     offsets: Optional[torch.Tensor]  # [O, I / block] fp32 (kind 4)
+    int8_inputs: bool = False        # the kernel may round each block of inputs to one byte
+                                     # (quantize_q4: a draft's weights, not a file's model)
 
     def dequantize(self) -> torch.Tensor:
         """fp32 [O, I], computed as the gguf package computes it (same roundings)."""
@@ -63,6 +65,30 @@ class QuantCodes:
         are packed in 5 bits: kernel kind 5)."""
         kind = 5 if self.ggml_type == "Q5_0" else self.kind
         return kind, self.block, self.codes, self.scales, self.offsets
+
+
+def quantize_q4(weight: torch.Tensor) -> QuantCodes:
+    """A draft's weight [O, I] (I a multiple of 32) as Q4_1 blocks, rounded to nearest here: per
+    block of 32 inputs w ~ d * c + m with m the block's least value, d its range / 15 (both fp16
+    where they fit, so the packed records are GGUF-sized) and c = round((w - m) / d) in 0..15.
+    int8_inputs: the kernel rounds each block of inputs to one byte too. A draft only proposes
+    tokens, so this changes acceptance, never the output (MT-bench tau unchanged: docs/bench.md)."""
+    out_features, in_features = weight.shape
+    if in_features % 32:
+        raise ValueError(f"quantize_q4: input width {in_features} is not a multiple of 32")
+    blocks = weight.detach().float().reshape(out_features, in_features // 32, 32)
+    low, high = blocks.min(dim=-1).values, blocks.max(dim=-1).values
+    d, m = _half_where_finite((high - low) / 15), _half_where_finite(low)
+    safe = torch.where(d > 0, d, torch.ones_like(d))
+    codes = ((blocks - m[..., None]) / safe[..., None]).round().clamp_(0, 15)
+    codes = torch.where(d[..., None] > 0, codes, torch.zeros_like(codes))
+    return QuantCodes("Q4_1", 4, 32, codes.to(torch.uint8).reshape(out_features, in_features), d, m,
+                      int8_inputs=True)
+
+
+def _half_where_finite(x: torch.Tensor) -> torch.Tensor:
+    half = x.half().float()
+    return torch.where(torch.isfinite(half), half, x)
 
 
 # ---------------------------------------------------------------------------- unpacking

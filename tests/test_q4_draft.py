@@ -1,0 +1,85 @@
+"""A draft's weights as 4-bit codes with one-byte inputs (`--draft-weights q4`): the quantizer, the
+kernel's one-digit path, and the choice's checks. The output identity with a q4 draft is in
+test_spec_engine (test_q4_draft_weights_keep_greedy_identity)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eagle3 import kernels
+from eagle3.api import q4_draft_unavailable, resolve_draft_weights
+from eagle3.errors import InputError
+from eagle3.runtime.quant import quantize_q4
+
+from spec_helpers import tiny_draft, tiny_target
+
+needs_vnni = pytest.mark.skipif(not kernels.integer_dots(), reason="no AVX512-VNNI (or EAGLE3_VNNI=0)")
+
+
+def test_quantize_q4_puts_each_weight_on_its_blocks_grid():
+    torch.manual_seed(0)
+    w = torch.randn(24, 128) * torch.logspace(-3, 1, 4).repeat_interleave(32)   # blocks of 4 scales
+    w[5, 32:64] = 0.3                                                           # a constant block
+    q = quantize_q4(w)
+    assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
+    assert q.int8_inputs and q.kind == 4 and q.block == 32
+    assert torch.equal(q.scales.half().float(), q.scales)                       # fp16 records
+    err = (q.dequantize() - w).abs().view(24, 4, 32).amax(-1)
+    # half a step, plus what rounding the least value to fp16 moves (2^-11 of it)
+    assert (err <= q.scales / 2 + q.offsets.abs() * 2 ** -11 + 1e-12).all()
+    assert err[5, 1] <= 0.3 * 2 ** -11
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_q4(torch.randn(4, 48))
+
+
+def one_byte_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 rounded to a byte under its largest (as the kernel rounds), times w."""
+    blocks = x.view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    rounded = torch.round(blocks * (127.0 / top)) * (top / 127.0)
+    return rounded.view_as(x).double() @ w.double().T
+
+
+@needs_vnni
+def test_one_digit_is_the_product_with_inputs_rounded_to_a_byte_and_rows_stand_alone():
+    out_features, in_features = 72, 512
+    torch.manual_seed(1)
+    q = quantize_q4(torch.randn(out_features, in_features))
+    packed = kernels.pack_quant([q.kernel_part()], True, one_digit=True)
+    x = torch.randn(19, in_features)
+    x[3, 40:72] *= 1e4
+    y = kernels.quant_linear()(x, packed, None, out_features)
+    ref = one_byte_product(x, q.dequantize())
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    exact = x.double() @ q.dequantize().double().T
+    assert (y.double() - exact).abs().max() > 1e-4 * exact.abs().max()         # it does round
+    alone = torch.cat([kernels.quant_linear()(x[i:i + 1].contiguous(), packed, None, out_features)
+                       for i in range(len(x))])
+    assert torch.equal(alone, y)
+
+
+@pytest.mark.skipif(kernels.quant_linear() is None, reason=f"no kernels: {kernels.why()}")
+def test_one_digit_needs_integer_dots():
+    q = quantize_q4(torch.randn(16, 64))
+    with pytest.raises(ValueError, match="one_digit"):
+        kernels.pack_quant([q.kernel_part()], False, one_digit=True)
+
+
+def test_auto_takes_q4_where_it_runs_and_an_explicit_q4_elsewhere_names_the_fix(monkeypatch):
+    draft = tiny_draft(tiny_target(0))
+    if q4_draft_unavailable(draft) is None:
+        assert resolve_draft_weights("auto", draft) == "q4"
+    monkeypatch.setattr(kernels, "integer_dots", lambda: False)
+    assert "AVX512-VNNI" in q4_draft_unavailable(draft) or kernels.quant_linear() is None
+    assert resolve_draft_weights("auto", draft) in ("bf16", "fp32")
+    with pytest.raises(InputError, match="draft_weights=q4: .*use draft_weights=bf16 or fp32"):
+        resolve_draft_weights("q4", draft)
+
+
+@needs_vnni
+def test_a_draft_of_odd_widths_is_not_q4():
+    draft = tiny_draft(tiny_target(0, hidden=48, intermediate=96))
+    assert "input width 48" in q4_draft_unavailable(draft)
+    assert resolve_draft_weights("auto", draft) != "q4"
+    with pytest.raises(InputError, match="not a multiple of the 32-input blocks"):
+        resolve_draft_weights("q4", draft)
