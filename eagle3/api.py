@@ -121,7 +121,8 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
         target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
     if draft is not None:
         choice = resolve_draft_weights(draft_weights, draft) if draft.device.type == "cpu" else "fp32"
-        draft = build_draft_layout(draft, WEIGHT_DTYPES.get(choice, torch.float32), quantize=choice == "q4")
+        dtype = draft_weight_dtype("auto") if choice == "q4" else WEIGHT_DTYPES[choice]  # q4: past its rows
+        draft = build_draft_layout(draft, dtype, quantize=choice == "q4")
     return target, draft
 
 

@@ -83,3 +83,23 @@ def test_a_draft_of_odd_widths_is_not_q4():
     assert resolve_draft_weights("auto", draft) != "q4"
     with pytest.raises(InputError, match="not a multiple of the 32-input blocks"):
         resolve_draft_weights("q4", draft)
+
+
+@needs_vnni
+@pytest.mark.skipif(not kernels.state().bf16, reason="no AVX512-BF16 small-M kernel here")
+def test_a_q4_drafts_blocks_past_its_rows_take_the_bf16_kernel():
+    """Blocks of up to Q4_ROWS rows run the codes; larger ones up to SMALL_ROWS the bf16 small-M
+    kernel (the codes' per-block float steps cost more there), past it oneDNN."""
+    import copy
+
+    from eagle3.draft.inference import Q4_ROWS, build_draft_layout
+    from eagle3.runtime.backend import SMALL_ROWS
+    draft = tiny_draft(tiny_target(0))
+    q4 = build_draft_layout(copy.deepcopy(draft), torch.bfloat16, quantize=True)
+    bf16 = build_draft_layout(copy.deepcopy(draft), torch.bfloat16)
+    a, b = q4.lm_head, bf16.lm_head
+    assert a.one_digit and a.small_rows == Q4_ROWS < SMALL_ROWS
+    few, more = torch.randn(Q4_ROWS, a.in_features), torch.randn(Q4_ROWS + 1, a.in_features)
+    assert torch.equal(a(few), kernels.quant_linear()(few, a.small_weight, None, a.out_features))
+    assert torch.equal(a(more), b(more))
+    assert not torch.equal(a(few), b(few))

@@ -1124,6 +1124,12 @@ __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
             for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
           dot[p][h] = a;
         }
+      if (P == 1) {   // add_digit_sums with p1 = p2 = 0, its float steps without the zero terms: same bits
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0][0], dot[0][1]));
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), sum, acc[r]);
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
+        continue;
+      }
       acc[r] = add_digit_sums(_mm512_add_epi32(dot[0][0], dot[0][1]), _mm512_add_epi32(dot[1][0], dot[1][1]),
                               _mm512_add_epi32(dot[2][0], dot[2][1]), d, m, scale[r * nb + b], xsum[r * nb + b],
                               acc[r]);

@@ -41,13 +41,15 @@ class Backend:
     one_call_layers: bool = True       # avx512: a decoder layer in one C++ call (False: op by op,
                                        # same bits; tests compare the two)
     fused_rope: bool = True            # avx512: rotary + cache write in one kernel (False: torch ops)
+    row_cap: Optional[int] = None      # kernel_rows at most this (a q4 draft: draft.inference)
 
     @property
     def kernel_rows(self) -> int:
         """Blocks of up to this many rows go to the kernels (0 without them)."""
         if self.kernels is None:
             return 0
-        return STABLE_ROWS if self.row_stable else SMALL_ROWS
+        rows = STABLE_ROWS if self.row_stable else SMALL_ROWS
+        return rows if self.row_cap is None else min(rows, self.row_cap)
 
     @property
     def kv_dtype(self) -> torch.dtype:
