@@ -103,3 +103,11 @@ def test_a_q4_drafts_blocks_past_its_rows_take_the_bf16_kernel():
     assert torch.equal(a(few), kernels.quant_linear()(few, a.small_weight, None, a.out_features))
     assert torch.equal(a(more), b(more))
     assert not torch.equal(a(few), b(few))
+
+
+@pytest.mark.real
+def test_info_says_what_auto_draft_weights_run(capsys):
+    from eagle3.cli import main
+    assert main(["info"]) == 0
+    (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("--draft-weights auto")]
+    assert line.split()[2] == resolve_draft_weights("auto")
