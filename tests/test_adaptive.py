@@ -91,8 +91,9 @@ def test_any_sequence_of_choices_keeps_greedy_identity_and_the_caches(target, re
 
 
 def test_the_catch_up_after_plain_steps_is_not_charged_to_the_shape(target, reference, monkeypatch):
-    """Three plain steps leave three rows for the draft; the next tree step runs them first. That
-    forward (made slow here) is reported apart and left out of the tree step's wall time and levels."""
+    """The prompt's rows (prefill leaves them waiting) and three plain steps' rows wait for the draft;
+    the next tree step runs them first. That forward (made slow here) is reported apart and left out
+    of the tree step's wall time and levels."""
     draft = oracle_draft(target, PROMPT + reference)
     policy = Scripted((PLAIN, PLAIN, PLAIN, SHAPES[2]))
     dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
@@ -101,17 +102,37 @@ def test_the_catch_up_after_plain_steps_is_not_charged_to_the_shape(target, refe
 
     def slow_extend(ids, feats, start):
         calls.append(ids.numel())
-        if len(calls) == 1:                           # the catch-up over the three plain rows
+        if len(calls) == 1:                           # the catch-up over the prompt and three plain rows
             time.sleep(0.2)
         real(ids, feats, start)
     dec.prefill(PROMPT, MAX_NEW)
     monkeypatch.setattr(dec, "_extend", slow_extend)
     for _ in range(4):
         dec.step()
-    assert calls[0] == 3 and [rows for rows, _ in policy.catch_ups] == [3] and policy.catch_ups[0][1] >= 200
+    rows = len(PROMPT) + 3
+    assert calls[0] == rows and [r for r, _ in policy.catch_ups] == [rows] and policy.catch_ups[0][1] >= 200
     arm, levels, wall_ms = policy.observed[-1]
     assert arm == SHAPES[2] and wall_ms < 150
     assert levels == SHAPES[2].depth                 # depth - 1 draft levels and the extend, no catch-up
+
+
+def test_a_request_decoded_plainly_runs_no_draft_forward(target, reference, monkeypatch):
+    """Prefill leaves the prompt's draft rows waiting like a plain step's, so a request the policy
+    decodes plainly throughout never runs the draft (on the GGUF codes ~11 ms of a 100-token
+    prompt); the first drafted tree catches up over all of them."""
+    draft = oracle_draft(target, PROMPT + reference)
+    policy = Scripted((PLAIN,) * 4 + (SHAPES[2],))
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    real, calls = dec._extend, []
+    monkeypatch.setattr(dec, "_extend", lambda ids, feats, start: (calls.append(ids.numel()),
+                                                                   real(ids, feats, start)))
+    emitted = dec.prefill(PROMPT, MAX_NEW).tokens
+    for _ in range(4):
+        emitted += dec.step().tokens
+    assert calls == [] and dec.draft_cache.length == 0
+    emitted += dec.step().tokens
+    assert calls[0] == len(PROMPT) + 4 and emitted == reference[:len(emitted)]
 
 
 SUFFIX_SCRIPTS = [(SUFFIX_ONLY,), (SUFFIX_ONLY, SHAPES[1]), (PLAIN, SUFFIX_ONLY, SUFFIX_ONLY, SHAPES[2])]
@@ -174,6 +195,7 @@ def test_the_engine_follows_its_policy_and_stays_lossless(target, reference, ora
 
 def sample_two_after_first(dec: SpecDecoder, prompt: list[int], num: int):
     t1 = dec.prefill(prompt, 8).tokens[0]
+    dec._catch_up()          # the draft over the prompt now: prefill leaves its rows pending
     saved = (dec.cache.length, dec.root, dec.head, copy.deepcopy(dec.suffix))
     vocab = dec.target.config.vocab_size
     counts = torch.zeros(vocab, vocab)

@@ -177,6 +177,7 @@ def sample_after_first(dec: SpecDecoder, prompt: list[int], num: int):
     """Prefill once (first token t1 fixed), then `num` times: rewind to just after the prefill and
     take the next two tokens from spec steps. Returns t1, counts [V, V] of (t2, t3), tau."""
     t1 = dec.prefill(prompt, 8).tokens[0]
+    dec._catch_up()          # the draft over the prompt now: prefill leaves its rows pending
     saved = (dec.cache.length, dec.root, dec.head)
     vocab = dec.target.config.vocab_size
     counts, steps = torch.zeros(vocab, vocab), 0
@@ -448,6 +449,7 @@ def test_drafting_stops_early_only_when_the_tree_cannot_change(target, spec):
     """`_settled` ends drafting once no deeper node can be kept: the tree equals the full expansion's."""
     draft = tiny_draft(target, seed=3)
     dec, _ = run_decoder(target, draft, spec, steps=0)
+    dec._catch_up()                        # the draft over the prompt (prefill leaves it pending)
     calls = {"early": 0, "full": 0}
     for _ in range(12):
         level = dec._draft_level

@@ -65,6 +65,7 @@ def test_a_suffix_chain_reaches_below_the_draft_depth(target, reference):
     dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), SamplingParams(), spec)
     dec.prefill(PROMPT + reference[:20], 8)                     # its root reference[20] ends a
     assert dec.suffix.propose()                                 # repeated pair: a continuation
+    dec._catch_up()                                             # the draft over the prompt
     tree = dec.draft_tree()
     assert int(tree.depth.max()) >= spec.suffix_tokens == tree.paths.shape[1] - 1
     assert tree.size == spec.num_draft_tokens + spec.suffix_tokens
@@ -76,6 +77,7 @@ def test_suffix_is_off_by_default(target, reference):
     dec = SpecDecoder(target, draft, target.new_cache(64), draft.new_cache(64), SamplingParams())
     dec.prefill(PROMPT, 8)
     with torch.inference_mode():
+        dec._catch_up()                                         # the draft over the prompt
         assert dec.suffix is None and dec.draft_tree().sources is None
 
 
@@ -99,6 +101,7 @@ def sample_two_after_first(dec: SpecDecoder, prompt: list[int], num: int):
     """Like test_spec_engine.sample_after_first, rewinding the suffix index too. Returns t1,
     counts [V, V] of (t2, t3), and the suffix-only tokens accepted."""
     t1 = dec.prefill(prompt, 8).tokens[0]
+    dec._catch_up()          # the draft over the prompt now: prefill leaves its rows pending
     saved = (dec.cache.length, dec.root, dec.head, copy.deepcopy(dec.suffix))
     vocab = dec.target.config.vocab_size
     counts, via_suffix = torch.zeros(vocab, vocab), 0
