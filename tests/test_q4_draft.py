@@ -111,3 +111,27 @@ def test_info_says_what_auto_draft_weights_run(capsys):
     assert main(["info"]) == 0
     (line,) = [l for l in capsys.readouterr().out.splitlines() if l.startswith("--draft-weights auto")]
     assert line.split()[2] == resolve_draft_weights("auto")
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("algorithm,layers", [("eagle3", 1), ("eagle3", 2), ("eagle", 1)])
+def test_a_q4_draft_of_any_layout_keeps_speculation_identical_to_plain(algorithm, layers):
+    """build_layouts with draft_weights=q4 (auto's choice where it runs) over EAGLE-3 drafts with
+    extra layers and EAGLE-1 drafts (fc with a bias): the output is plain decoding's."""
+    from eagle3.api import build_layouts
+    from eagle3.generate import Engine
+    from eagle3.sampling import SamplingParams
+    from eagle3.speculative.tree import SpecParams
+    from spec_helpers import StubTokenizer
+    model = tiny_target(0)
+    draft = tiny_draft(model, algorithm=algorithm, layers=layers)
+    choice = "q4" if q4_draft_unavailable(draft) is None else "auto"
+    target, drafter = build_layouts(model, draft, "fp32", choice)
+    if choice == "q4":
+        assert drafter.weights_name == "q4" and all(l.one_digit for l in drafter.linears)
+    plain = Engine(target, StubTokenizer(), max_model_len=128)
+    spec = Engine(target, StubTokenizer(), draft=drafter, spec=SpecParams(3, 3, 6, 0.0), max_model_len=128)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    for prompt in ([1, 2, 3, 4], [9, 8, 7, 9, 8, 7, 9, 8]):
+        assert spec.generate(prompt_ids=prompt, params=params).token_ids == \
+            plain.generate(prompt_ids=prompt, params=params).token_ids
