@@ -76,7 +76,8 @@ def q4_draft_unavailable(draft=None) -> Optional[str]:
     if kernels.quant_linear() is None:
         return f"the eagle3 kernels are not available ({kernels.why()})"
     if not kernels.integer_dots():
-        return "this CPU runs no integer dot products (AVX512-VNNI), which q4 drafts run on"
+        return ("the kernels run no integer dot products here (no AVX512-VNNI, or EAGLE3_VNNI=0), "
+                "which q4 drafts run on")
     widths = sorted({m.in_features for m in draft.modules() if isinstance(m, torch.nn.Linear)}) if draft else []
     odd = [w for w in widths if w % 32]
     if odd:
