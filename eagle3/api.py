@@ -70,19 +70,9 @@ def resolve_draft_weights(choice: str, draft=None) -> str:
 
 
 def q4_draft_unavailable(draft=None) -> Optional[str]:
-    """Why a draft cannot run as q4 here (None: it can): the kernels, their integer dot products
-    (AVX512-VNNI), and input widths in blocks of 32."""
-    from . import kernels
-    if kernels.quant_linear() is None:
-        return f"the eagle3 kernels are not available ({kernels.why()})"
-    if not kernels.integer_dots():
-        return ("the kernels run no integer dot products here (no AVX512-VNNI, or EAGLE3_VNNI=0), "
-                "which q4 drafts run on")
-    widths = sorted({m.in_features for m in draft.modules() if isinstance(m, torch.nn.Linear)}) if draft else []
-    odd = [w for w in widths if w % 32]
-    if odd:
-        return f"the draft has linears of input width {odd[0]}, not a multiple of the 32-input blocks"
-    return None
+    """Why a draft cannot run as q4 here (None: it can): draft.inference.q4_unavailable."""
+    from .draft.inference import q4_unavailable
+    return q4_unavailable(draft)
 
 
 def resolve_weights(weights: str, source=None, native_cpu: bool = True) -> str:

@@ -74,6 +74,9 @@ def test_auto_takes_q4_where_it_runs_and_an_explicit_q4_elsewhere_names_the_fix(
     assert resolve_draft_weights("auto", draft) in ("bf16", "fp32")
     with pytest.raises(InputError, match="draft_weights=q4: .*use draft_weights=bf16 or fp32"):
         resolve_draft_weights("q4", draft)
+    from eagle3.draft.inference import build_draft_layout
+    with pytest.raises(InputError, match="draft_weights=q4"):      # never codes on another path unsaid
+        build_draft_layout(draft, quantize=True)
 
 
 @needs_vnni

@@ -13,25 +13,27 @@ from typing import Optional
 
 import torch
 
+from .. import kernels
+from ..errors import InputError
 from ..models.kv_cache import KVCache
 from ..models.llama import as_block, rows_of
 from ..runtime.backend import Backend, choose_backend
 from ..runtime.layer import FastLayer, norm_of
 from ..runtime.linear import PackedLinear
 from ..runtime.quant import quantize_q4
+from .model import DraftBase, DraftConfig, DraftOutput, Eagle3Draft, block_mask
 
 # A q4 draft's blocks of up to this many rows run the codes, larger ones the bf16 weights: the
 # one-byte integer dots cost half of bf16 on AMX at 1-4 rows and the same at 12 (SmolLM2's draft
 # forward at 200 cached tokens, 2 threads: 0.32 / 0.41 / 0.59 / 0.82 ms at 1 / 4 / 8 / 12 rows
 # against bf16's 0.66 / 0.73 / 0.79 / 0.82), where each block's float steps outweigh the bytes
 Q4_ROWS = 12
-from .model import DraftBase, DraftConfig, DraftOutput, Eagle3Draft, block_mask
 
 
 class InferenceDraft:
     def __init__(self, draft: DraftBase, backend: Backend, quantize: bool = False):
         # quantize: every linear as 4-bit codes with one-byte inputs (runtime.quant.quantize_q4;
-        # `--draft-weights q4`), blocks past the kernels' rows on the fp32 weights
+        # `--draft-weights q4`), blocks past the backend's kernel rows on the weight dtype
         self.reference = draft                         # config, vocabulary maps, contract checks
         self.config: DraftConfig = draft.config
         self.backend = backend
@@ -131,10 +133,28 @@ def build_draft_layout(draft: DraftBase, weight_dtype: torch.dtype = torch.float
     kernel up to backend.SMALL_ROWS, oneDNN past it: a catch-up after a long suffix-only stretch,
     a prompt); with fp32 the codes serve every block the kernels take."""
     device = draft.embed_tokens.weight.device
+    why = q4_unavailable(draft) if quantize else None
+    if why is not None:    # codes without the kernels' integer dots would run another path unsaid
+        raise InputError(f"draft_weights=q4: {why}; use draft_weights=bf16 or fp32 (or auto)")
     backend = backend or choose_backend(device, weight_dtype)
     if quantize and weight_dtype == torch.bfloat16:
         backend = dataclasses.replace(backend, row_cap=Q4_ROWS)
     return InferenceDraft(draft, backend, quantize)
+
+
+def q4_unavailable(draft: Optional[torch.nn.Module] = None) -> Optional[str]:
+    """Why a draft cannot run as q4 here (None: it can): the kernels, their integer dot products
+    (AVX512-VNNI), and input widths in blocks of 32."""
+    if kernels.quant_linear() is None:
+        return f"the eagle3 kernels are not available ({kernels.why()})"
+    if not kernels.integer_dots():
+        return ("the kernels run no integer dot products here (no AVX512-VNNI, or EAGLE3_VNNI=0), "
+                "which q4 drafts run on")
+    widths = sorted({m.in_features for m in draft.modules() if isinstance(m, torch.nn.Linear)}) if draft else []
+    odd = [w for w in widths if w % 32]
+    if odd:
+        return f"the draft has linears of input width {odd[0]}, not a multiple of the 32-input blocks"
+    return None
 
 
 def _q4_codes(layer: torch.nn.Module) -> dict:

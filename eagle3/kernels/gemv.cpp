@@ -885,7 +885,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // round(x / s) with s = max |x| / 127 is one signed byte, as llama.cpp rounds activations for its
 // integer dots (Q8_1), so a block costs a third of the integer dot products and the inputs move by
 // up to s / 2 (~0.4% of the block's largest): for a draft, whose precision changes only what it
-// proposes. The planes past the first stay zero, and the same float steps follow.
+// proposes. The planes past the first are neither written nor read (nibble_tile_vnni<MT, 1>).
 namespace {
 
 constexpr int64_t kQuantMagic = 0x5451474746;   // "FGGQT": the header with flags
@@ -1068,7 +1068,6 @@ void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, fl
       }
       const __m512 inv = _mm512_set1_ps(digit_max / m);
       int32_t total = 0;
-      if (one_digit) std::fill(d + 8, d + kDigitWords, 0);
       for (int h = 0; h < 2; ++h) {           // inputs 16h .. 16h + 15: k = 2h, 2h + 1
         __m512i X = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         total += _mm512_reduce_add_epi32(X);
@@ -1330,7 +1329,7 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
                        digit_sum.data(), header.one_digit};
   const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
   float* yp = y.data_ptr<float>();
-  // one digit stays on VNNI: its blocks cost a third of the three planes', below the tiles' floor
+  // one digit stays on VNNI: tiles measured no faster (equal at 16-32 rows, slower at 8-12)
   const bool tiles = EAGLE3_AMX_BUILT && !digits.empty() && !header.one_digit && M >= kInt8MinRows &&
                      g_amx_int8.load();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {

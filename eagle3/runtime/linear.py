@@ -47,10 +47,7 @@ class PackedLinear:
                                                    self.one_digit)
             self.quant_types = tuple(c.ggml_type for c in codes)
         elif backend.kernels is not None and (self.weight_dtype != torch.bfloat16 or self.in_features % 2 == 0):
-            # bf16 on AMX tiles where the machine has them: fixed for this weight's life
-            self.amx = (self.weight_dtype == torch.bfloat16 and kernels.amx()
-                        and self.in_features % kernels.AMX_WIDTH == 0)
-            self.small = kernels.small_linear(self.weight_dtype, self.amx)
+            self.small, self.amx = self._dtype_kernel()
         self.small_rows = backend.kernel_rows if self.small is not None else 0
         self.small_dtype = torch.float32 if self.quant_types else self.weight_dtype   # codes take fp32
         # codes capped below SMALL_ROWS (a q4 draft's backend.row_cap): the blocks past the cap and
@@ -58,8 +55,7 @@ class PackedLinear:
         # draft forward 0.88 ms there against 1.33 on oneDNN and 0.95 on the codes)
         self.mid = None
         if self.quant_types and self.small_rows < SMALL_ROWS and self.weight_dtype == torch.bfloat16:
-            amx = kernels.amx() and self.in_features % kernels.AMX_WIDTH == 0
-            kernel = kernels.small_linear(self.weight_dtype, amx)
+            kernel, _ = self._dtype_kernel()
             if kernel is not None:
                 self.mid = (kernel, kernels.pack_weight(weight, self.weight_dtype))
         if not self.quant_types:
@@ -72,6 +68,13 @@ class PackedLinear:
         self.weight_t = None
         if backend.name != "torch" and self.weight_dtype == torch.float32 and not (self.small and self.onednn is not None):
             self.weight_t = weight.t().contiguous()
+
+    def _dtype_kernel(self):
+        """The weight dtype's small-M kernel (None where it cannot run here) and whether it is bf16
+        on AMX tiles (where the machine has them: fixed for this weight's life)."""
+        amx = (self.weight_dtype == torch.bfloat16 and kernels.amx()
+               and self.in_features % kernels.AMX_WIDTH == 0)
+        return kernels.small_linear(self.weight_dtype, amx), amx
 
     @property
     def kernel_ready(self) -> bool:
