@@ -11,7 +11,8 @@ from .memory import freeze_loaded
 from .generate import Engine
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-WEIGHT_CHOICES = ("auto", "gguf", "fp32", "bf16")
+WEIGHT_CHOICES = ("auto", "gguf", "gguf-exact", "fp32", "bf16")
+GGUF_CHOICES = ("gguf", "gguf-exact")
 DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
 SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
 DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
@@ -76,15 +77,16 @@ def q4_draft_unavailable(draft=None) -> Optional[str]:
 
 
 def resolve_weights(weights: str, source=None, native_cpu: bool = True) -> str:
-    """"auto" -> "gguf" for a GGUF target run natively on the CPU (the file's own codes: exact and
-    the fewest bytes a token), else "fp32"; other choices are checked and returned."""
+    """"auto" -> "gguf" for a GGUF target run natively on the CPU (the file's own codes, the fewest
+    bytes a token; one-byte inputs where the CPU has integer dot products), else "fp32"; other
+    choices are checked and returned."""
     if weights not in WEIGHT_CHOICES:
         raise InputError(f"weights={weights!r}: choose one of {', '.join(WEIGHT_CHOICES)}")
     is_gguf = source is not None and source.gguf is not None
     if weights == "auto":
         return "gguf" if is_gguf and native_cpu else "fp32"
-    if weights == "gguf" and not is_gguf:
-        raise InputError("weights=gguf runs a GGUF file's own quantized weights, but this target is "
+    if weights in GGUF_CHOICES and not is_gguf:
+        raise InputError(f"weights={weights} runs a GGUF file's own quantized weights, but this target is "
                          f"{getattr(source, 'name', 'not a GGUF file')}. Fix: give a .gguf target, or "
                          "weights=fp32 / bf16")
     if weights != "fp32" and not native_cpu:
@@ -102,8 +104,8 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
     from .runtime.target import build_target
     native_cpu = isinstance(target, LlamaModel) and target.device.type == "cpu"
     weights = resolve_weights(weights, source, native_cpu)
-    if weights == "gguf":
-        codes = gguf_codes(target, source)
+    if weights in GGUF_CHOICES:
+        codes = gguf_codes(target, source, one_byte_inputs=weights == "gguf")
         # without the kernels the codes have nothing to run on: the fp32 layout is the same model
         target = (build_target(target, torch.float32, row_stable=True, gguf=codes) if codes is not None
                   else build_target(target, torch.float32))
@@ -117,9 +119,10 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
     return target, draft
 
 
-def gguf_codes(target, source):
+def gguf_codes(target, source, one_byte_inputs: bool = True):
     """The GGUF's integer codes for the kernels (None where there are none), with one line on
-    what runs (runtime.quant)."""
+    what runs (runtime.quant). one_byte_inputs (`--weights gguf`): the kernels may round each block
+    of 32 inputs to one byte where they run integer dot products (`gguf_inputs` says)."""
     import sys
     from . import kernels
     from .runtime.quant import load_gguf_codes
@@ -128,8 +131,22 @@ def gguf_codes(target, source):
               f"{kernels.why()})", file=sys.stderr)
         return None
     codes = load_gguf_codes(source.gguf, source.hf_dir, target)
-    print(f"eagle3: {codes.describe()}, on the kernels", file=sys.stderr)
+    if one_byte_inputs:
+        codes = codes.with_int8_inputs()
+    print(f"eagle3: {codes.describe()}, on the kernels; {gguf_inputs(one_byte_inputs)}", file=sys.stderr)
     return codes
+
+
+def gguf_inputs(one_byte_inputs: bool = True) -> str:
+    """What the codes meet here: one-byte inputs (`--weights gguf` where the kernels run integer
+    dot products, as llama.cpp runs the file) or exact ones (`gguf-exact`, or no AVX512-VNNI: there
+    the float path is the faster one anyway)."""
+    from . import kernels
+    if one_byte_inputs and kernels.integer_dots():
+        return "inputs rounded to one byte per block of 32 (integer dot products, as llama.cpp)"
+    if one_byte_inputs:
+        return "exact inputs (no AVX512-VNNI here: rounded inputs would gain nothing on fp32 FMA)"
+    return "exact inputs (--weights gguf-exact: within 1e-4 of the dequantised model)"
 
 
 def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):

@@ -72,6 +72,10 @@ def info_cmd(args: argparse.Namespace) -> int:
         kernels_on = quant_linear() is not None
         rows.append(("--weights gguf (auto) linears" + ("" if kernels_on else ": all dequantised here"),
                      tensor_types(src.gguf, cfg.tie_word_embeddings)))
+        if kernels_on:
+            from .api import gguf_inputs
+            rows.append(("--weights gguf (auto) inputs", gguf_inputs(True)))
+            rows.append(("--weights gguf-exact inputs", gguf_inputs(False)))
     from .api import q4_draft_unavailable, resolve_draft_weights
     choice = resolve_draft_weights("auto")
     rows.append(("--draft-weights auto", choice + ("" if choice == "q4" else f" (no q4: {q4_draft_unavailable()})")))

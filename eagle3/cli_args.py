@@ -30,9 +30,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
 
 def add_precision_args(p: argparse.ArgumentParser) -> None:
     """--weights / --draft-weights (generate, serve, bench)."""
-    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"], default="auto",
+    p.add_argument("--weights", choices=["auto", "gguf", "gguf-exact", "fp32", "bf16"], default="auto",
                    help="target weights on CPU: gguf (a GGUF target's own quantized codes on the "
-                        "kernels: the file's exact model in the fewest bytes), fp32 (the dequantised "
+                        "kernels, in the fewest bytes; where the CPU has AVX512-VNNI each block of 32 "
+                        "inputs is rounded to one byte for integer dot products, as llama.cpp runs the "
+                        "file), gguf-exact (the same codes against exact inputs: the file's exact "
+                        "model, within 1e-4 of fp64), fp32 (the dequantised "
                         "weights; matches HF transformers), bf16 (a different model numerically; "
                         "verify and decode stay bit-identical, so speculation stays lossless); auto "
                         "(default): gguf for a GGUF target, else fp32")

@@ -1,7 +1,8 @@
-"""GGUF integer codes on the kernels (`--weights gguf`, runtime.quant + gemv.cpp linear_quant):
-unpacking equals the gguf package's dequantisation, the kernel equals the dequantised weight's
-product, rows are independent of their block, and a target running the codes gives the fp32
-model's logits and lossless speculation."""
+"""GGUF integer codes on the kernels (`--weights gguf` / `gguf-exact`, runtime.quant + gemv.cpp
+linear_quant): unpacking equals the gguf package's dequantisation, the kernel equals the dequantised
+weight's product (with exact inputs, or with inputs rounded to one byte per block of 32), rows are
+independent of their block, and a target running the codes gives the fp32 model's logits (exact) or
+the rounded-input model's (one byte), with lossless speculation on both."""
 from __future__ import annotations
 
 import contextlib
@@ -80,6 +81,50 @@ def test_the_kernel_equals_the_dequantised_product_and_rows_stand_alone(type_nam
     alone = torch.cat([kernels.quant_linear()(x[i:i + 1].contiguous(), packed, bias, out_features)
                        for i in range(len(x))])
     assert torch.equal(alone, y)                  # bit for bit: the row-stable property
+
+
+def byte_rounded(x: torch.Tensor) -> torch.Tensor:
+    """x with each block of 32 inputs rounded to one signed byte under its largest (fp64), what
+    the one-digit kernel (gemv.cpp byte_tile) multiplies the codes by."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    s = blocks.abs().amax(-1, keepdim=True) / 127
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    return (torch.round(blocks / s) * s).view(x.shape)
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", TYPES)
+def test_one_byte_inputs_give_the_rounded_inputs_product_and_rows_stand_alone(type_name):
+    """Every code kind on one-byte inputs (`--weights gguf`): the file's exact weights times the
+    inputs rounded per block of 32, to fp32 accuracy; each row's bits independent of its block; and
+    not the exact product (the rounding is real: ~0.5% of a block's largest input)."""
+    out_features, in_features = 72, 512
+    raw = raw_blocks(type_name, out_features, in_features, seed=1)
+    codes = unpack(type_name, raw, out_features, in_features)
+    packed = kernels.pack_quant([codes.kernel_part()], True, one_digit=True)
+    x = torch.randn(19, in_features)
+    x[3, 40:72] *= 1e4
+    x[4, 100:132] *= 1e-4
+    y = kernels.quant_linear()(x, packed, None, out_features)
+    w = gguf_dequantized(type_name, raw, out_features, in_features).double()
+    ref = byte_rounded(x) @ w.T
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    exact = x.double() @ w.T
+    assert (y.double() - exact).abs().max() > 1e-4 * exact.abs().max()
+    alone = torch.cat([kernels.quant_linear()(x[i:i + 1].contiguous(), packed, None, out_features)
+                       for i in range(len(x))])
+    assert torch.equal(alone, y)
+
+
+@needs_vnni
+def test_one_byte_inputs_mix_formats_segment_by_segment():
+    parts = [unpack(t, raw_blocks(t, n, 512, seed=i), n, 512)
+             for i, (t, n) in enumerate((("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 40), ("Q5_0", 24)))]
+    x = torch.randn(11, 512)
+    pack = lambda ps: kernels.pack_quant([p.kernel_part() for p in ps], True, one_digit=True)
+    fused = kernels.quant_linear()(x, pack(parts), None, 160)
+    apart = [kernels.quant_linear()(x, pack([p]), None, p.codes.shape[0]) for p in parts]
+    assert torch.equal(fused, torch.cat(apart, dim=1))
 
 
 needs_amx_int8 = pytest.mark.skipif(not kernels.state().amx_int8, reason="no AMX-INT8 tiles here")
@@ -221,12 +266,35 @@ def test_a_target_on_the_codes_gives_the_fp32_models_logits(type_name):
     assert (got.double() - want).abs().max() <= 2 * fp32_error
 
 
-def exact_logits(model, ids, pos) -> torch.Tensor:
+def exact_logits(model, ids, pos, byte_inputs: bool = False) -> torch.Tensor:
     """The dequantised model evaluated in fp64: the file's exact model (an fp32 evaluation of it
-    is itself up to ~1e-4 away on the real targets, so that is the wrong yardstick)."""
+    is itself up to ~1e-4 away on the real targets, so that is the wrong yardstick). byte_inputs:
+    every linear's input rounded to one byte per block of 32 first (`--weights gguf`'s model)."""
     exact = copy.deepcopy(model).double()
     exact.rotary.cos, exact.rotary.sin = exact.rotary.cos.double(), exact.rotary.sin.double()
+    if byte_inputs:
+        for m in exact.modules():
+            if isinstance(m, torch.nn.Linear):
+                m.register_forward_pre_hook(lambda _, args: (byte_rounded(args[0].reshape(-1, args[0].shape[-1]))
+                                                             .view(args[0].shape),))
     return exact(ids, pos, exact.new_cache(ids.shape[1] + 4)).logits
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a_target_on_one_byte_inputs_gives_the_rounded_input_models_logits(type_name):
+    """`--weights gguf`: every linear of the layout meets its inputs rounded to one byte per block;
+    its logits are the fp64 model with those roundings, far closer to it than to the exact one."""
+    model, codes = gguf_tiny_target(type_name)
+    layout = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs())
+    assert all(l.one_digit for l in layout.linears) and layout.weights_name.endswith(", int8 inputs")
+    ids, pos = torch.randint(0, 64, (1, 12)), torch.arange(12)[None]
+    got = layout(ids, pos, layout.new_cache(32)).logits.double()
+    rounded = (got - exact_logits(model, ids, pos, byte_inputs=True)).abs()
+    exact = (got - exact_logits(model, ids, pos)).abs()
+    # the median: an input that sits on a rounding boundary may round the other way in fp64 (one
+    # such flip moved a few of the tiny Q4_K model's logits by 7e-3)
+    assert rounded.median() <= 1e-2 * exact.median(), (rounded.median(), exact.median())
 
 
 def test_codes_that_do_not_reproduce_the_model_are_a_load_error():
@@ -237,9 +305,20 @@ def test_codes_that_do_not_reproduce_the_model_are_a_load_error():
         check_codes(codes, dict(model.named_parameters(remove_duplicate=False)))
 
 
+def codes_for(codes, real):
+    """api.gguf_codes for a test's tiny target: its codes (one-byte inputs where asked), or the
+    real function's answer where there are no kernels."""
+    def pick(target, src, one_byte_inputs=True):
+        if kernels.quant_linear() is None:
+            return real(target, src, one_byte_inputs)
+        return codes.with_int8_inputs() if one_byte_inputs else codes
+    return pick
+
+
 @pytest.mark.lossless
-@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
-def test_greedy_speculation_on_the_codes_equals_plain_decoding(type_name):
+@pytest.mark.parametrize("weights", ["gguf", "gguf-exact"])
+@pytest.mark.parametrize("type_name", TYPES)
+def test_greedy_speculation_on_the_codes_equals_plain_decoding(type_name, weights):
     from eagle3.api import build_layouts
     from eagle3.generate import Engine
     from eagle3.sampling import SamplingParams
@@ -249,11 +328,12 @@ def test_greedy_speculation_on_the_codes_equals_plain_decoding(type_name):
     source = type("Source", (), {"gguf": "tiny.gguf", "name": "tiny"})()
     import eagle3.api as api
     real = api.gguf_codes
-    api.gguf_codes = lambda target, src: codes if kernels.quant_linear() is not None else real(target, src)
+    api.gguf_codes = codes_for(codes, real)
     try:
-        target, drafter = build_layouts(model, draft, "gguf", "fp32", source)
+        target, drafter = build_layouts(model, draft, weights, "fp32", source)
     finally:
         api.gguf_codes = real
+    assert ("int8 inputs" in target.weights_name) == (weights == "gguf" and kernels.integer_dots())
     plain = Engine(target, StubTokenizer(), max_model_len=128)
     spec = Engine(target, StubTokenizer(), draft=drafter, spec=SpecParams(4, 3, 8, 0.0), max_model_len=128)
     for prompt in ([1, 2, 3, 4], [9, 8, 7, 9, 8, 7, 9, 8]):
@@ -267,9 +347,11 @@ def test_gguf_weights_need_a_gguf_target():
     source = type("Source", (), {"gguf": None, "name": "some/hf-dir"})()
     with pytest.raises(InputError, match="weights=gguf runs a GGUF file's own quantized weights"):
         resolve_weights("gguf", source)
+    with pytest.raises(InputError, match="weights=gguf-exact runs a GGUF file's own quantized weights"):
+        resolve_weights("gguf-exact", source)
     assert resolve_weights("auto", source) == "fp32"
     assert resolve_weights("auto", type("S", (), {"gguf": "m.gguf", "name": "m"})()) == "gguf"
-    with pytest.raises(InputError, match="choose one of auto, gguf, fp32, bf16"):
+    with pytest.raises(InputError, match="choose one of auto, gguf, gguf-exact, fp32, bf16"):
         resolve_weights("int4", source)
 
 
@@ -357,8 +439,8 @@ def test_integer_dots_are_named_and_switched_off_by_the_environment(monkeypatch)
 
 
 @pytest.mark.lossless
-def test_gguf_weights_decode_what_the_dequantised_model_decodes():
-    """weights=gguf gives the reference (dequantised fp32) model's greedy tokens: on the kernels
+def test_gguf_exact_weights_decode_what_the_dequantised_model_decodes():
+    """weights=gguf-exact gives the reference (dequantised fp32) model's greedy tokens: on the kernels
     through the codes, and where there are none (EAGLE3_KERNELS=0: scripts/test.sh reruns this) through
     the fp32 layout it falls back to."""
     from eagle3.api import build_layouts
@@ -368,9 +450,9 @@ def test_gguf_weights_decode_what_the_dequantised_model_decodes():
     model, codes = gguf_tiny_target("Q4_1", seed=5)
     source = type("Source", (), {"gguf": "tiny.gguf", "name": "tiny"})()
     real = api.gguf_codes
-    api.gguf_codes = lambda target, src: codes if kernels.quant_linear() is not None else real(target, src)
+    api.gguf_codes = codes_for(codes, real)
     try:
-        target, _ = build_layouts(copy.deepcopy(model), None, "gguf", "fp32", source)
+        target, _ = build_layouts(copy.deepcopy(model), None, "gguf-exact", "fp32", source)
     finally:
         api.gguf_codes = real
     assert bool(target.gguf) == (kernels.quant_linear() is not None)

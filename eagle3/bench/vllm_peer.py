@@ -37,7 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 KV_CACHE_GIB = 1
 # the bench's --weights -> vLLM's dtype. vLLM's CPU build runs the dequantised safetensors (it has no
 # kernels for this GGUF's codes on CPU): under gguf/auto it runs bf16, its fastest CPU dtype here
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16", "auto": "bfloat16"}
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16", "gguf-exact": "bfloat16", "auto": "bfloat16"}
 
 
 def default_python() -> Path:

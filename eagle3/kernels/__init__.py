@@ -219,7 +219,7 @@ def pack_quant(parts: list, integer_dots: Optional[bool] = None, one_digit: bool
     for kind, block, codes, scales, offsets in parts:
         if codes.shape[1] != in_features:
             raise ValueError(f"fused parts differ in input width: {codes.shape[1]} vs {in_features}")
-        blob, scale_bytes, rec_bytes = _records(kind, block, codes, scales, offsets)
+        blob, scale_bytes, rec_bytes = (_byte_records if one_digit else _records)(kind, block, codes, scales, offsets)
         header += [kind, codes.shape[0], block, scale_bytes, rec_bytes, offset]
         blobs.append((offset, blob))
         offset = _align(offset + blob.numel())
@@ -238,6 +238,47 @@ def _words(values: torch.Tensor, groups: int, blocks: int, zmms: int, bits: int)
     words = (v << (bits * torch.arange(per))).sum(-1)
     words = torch.where(words >= 2 ** 31, words - 2 ** 32, words)        # the same 32 bits as int32
     return words.to(torch.int32).contiguous().view(groups, blocks, zmms * QUANT_LANES).view(torch.uint8)
+
+
+# one digit (gemv.cpp ByteCodes): a record's byte j of word w holds input BYTE_ORDER[w][j], the
+# activation words' order (word 2k + h: inputs 8k + h + {0, 2, 4, 6}); kind 5's high bits: bit
+# 8b + p of a lane's word is input HIGH_ORDER[8b + p] = 8 (p // 2) + 2b + p % 2
+BYTE_ORDER = torch.tensor([[8 * (w // 2) + w % 2 + 2 * j for j in range(4)] for w in range(8)])
+HIGH_ORDER = torch.tensor([8 * (p // 2) + 2 * b + p % 2 for b in range(4) for p in range(8)])
+ZERO_POINT = {(5, 32): 16, (8, 32): 128, (8, 16): 32}     # u = c + Z: codes as unsigned bytes
+
+
+def _byte_records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tensor,
+                  offsets: Optional[torch.Tensor]) -> tuple[torch.Tensor, int, int]:
+    """One segment's one-digit records (gemv.cpp ByteCodes: 32 inputs of 16 outputs whatever the
+    file's block): kind 4 as _records; kind 5 with its high bits in HIGH_ORDER; kind 8 as
+    unsigned bytes in BYTE_ORDER with one scale vector per 16 or 32 inputs."""
+    if kind == 4:
+        return _records(kind, block, codes, scales, offsets)
+    out_features, in_features = codes.shape
+    if in_features % 32:
+        raise ValueError(f"one digit: input width {in_features} is not a multiple of 32")
+    groups, blocks = -(-out_features // QUANT_LANES), in_features // 32
+    pad = groups * QUANT_LANES - out_features
+    u = torch.nn.functional.pad(codes.to(torch.int64) + ZERO_POINT[kind, block], (0, 0, 0, pad))
+    u = u.view(groups, QUANT_LANES, blocks, 32)                        # [group, lane, block, input]
+    scale_dtype = torch.float16 if torch.equal(scales.half().float(), scales) else torch.float32
+    per = 32 // block                                                 # scale vectors a record
+    lanes = (torch.nn.functional.pad(scales, (0, 0, 0, pad)).to(scale_dtype)
+             .view(groups, QUANT_LANES, blocks, per).permute(0, 2, 3, 1).contiguous()
+             .view(groups, blocks, -1).view(torch.uint8))
+    if kind == 5:
+        nibbles = _words(u.reshape(-1, in_features) & 0x0F, groups, blocks, 4, 4)
+        bits = (u[..., HIGH_ORDER] >> 4) << torch.arange(32)          # [group, lane, block, 32]
+        high = bits.sum(-1)
+        high = torch.where(high >= 2 ** 31, high - 2 ** 32, high).to(torch.int32)
+        high = high.permute(0, 2, 1).contiguous().view(groups, blocks, -1).view(torch.uint8)
+        recs = torch.cat([nibbles, high, lanes], dim=-1)
+    else:
+        b = u[..., BYTE_ORDER].to(torch.uint8)                        # [group, lane, block, word, byte]
+        b = b.permute(0, 2, 3, 1, 4).contiguous().view(groups, blocks, -1)
+        recs = torch.cat([b, lanes], dim=-1)
+    return recs.reshape(-1), scale_dtype.itemsize, recs.shape[-1]
 
 
 def _align(n: int) -> int:

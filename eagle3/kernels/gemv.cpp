@@ -881,11 +881,11 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
 // the codes, so the result is the file's exact weights times inputs moved by at most s / 2. Integer
 // sums have no order, so a row's result is independent of the call's other rows.
 //
-// One digit (flags bit 1, with bit 0; a draft's weights, eagle3.runtime.quant.quantize_q4): X =
+// One digit (flags bit 1, with bit 0; `--weights gguf` on a CPU with VNNI, and q4 drafts): X =
 // round(x / s) with s = max |x| / 127 is one signed byte, as llama.cpp rounds activations for its
-// integer dots (Q8_1), so a block costs a third of the integer dot products and the inputs move by
-// up to s / 2 (~0.4% of the block's largest): for a draft, whose precision changes only what it
-// proposes. The planes past the first are neither written nor read (nibble_tile_vnni<MT, 1>).
+// integer dots, for every code kind (byte_tile below: its own record layout), so a block costs a
+// third of the integer dot products and the inputs move by up to s / 2 (~0.4% of the block's
+// largest). `--weights gguf-exact` keeps the exact path.
 namespace {
 
 constexpr int64_t kQuantMagic = 0x5451474746;   // "FGGQT": the header with flags
@@ -936,7 +936,10 @@ QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64
     TORCH_CHECK(g.scale_bytes == 2 || g.scale_bytes == 4, "scale bytes ", g.scale_bytes);
     TORCH_CHECK(in_features % g.block == 0, "input width ", in_features, " not a multiple of block ", g.block);
     const int64_t groups = (g.out + kQuantLanes - 1) / kQuantLanes;
-    TORCH_CHECK(g.offset + groups * (in_features / g.block) * g.rec_bytes <= packed.numel(),
+    const int64_t records = (h[4] & 2) ? in_features / 32 : in_features / g.block;   // one digit: 32 inputs
+    TORCH_CHECK(!(h[4] & 2) || in_features % 32 == 0, "one digit: input width ", in_features,
+                " not a multiple of 32");
+    TORCH_CHECK(g.offset + groups * records * g.rec_bytes <= packed.numel(),
                 "packed quantized weight is truncated");
     segs.push_back(g);
     out0 += g.out;
@@ -1041,7 +1044,7 @@ void nibble_tile(const float* x, int64_t ldx, const float* xsum, int64_t ldxs, c
 // s * sum_j X_j. A block with an inf or NaN input gets a NaN s, so its outputs are NaN as on the
 // FMA path.
 void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, float* scale, float* xsum,
-                       bool one_digit) {
+                       int32_t* isum, bool one_digit) {
   const int planes = one_digit ? 1 : kPlanes;
   const float digit_max = one_digit ? kOneDigitMax : kDigitMax;
   const int64_t nb = I / 32;
@@ -1064,13 +1067,16 @@ void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, fl
         if (finite) s = 0.0f;
         sum = s;
         std::fill(d, d + kDigitWords, 0);
+        isum[2 * (r * nb + b)] = isum[2 * (r * nb + b) + 1] = 0;
         continue;
       }
       const __m512 inv = _mm512_set1_ps(digit_max / m);
       int32_t total = 0;
       for (int h = 0; h < 2; ++h) {           // inputs 16h .. 16h + 15: k = 2h, 2h + 1
         __m512i X = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v[h], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        total += _mm512_reduce_add_epi32(X);
+        const int32_t half_sum = _mm512_reduce_add_epi32(X);
+        isum[2 * (r * nb + b) + h] = half_sum;
+        total += half_sum;
         for (int p = 0; p < planes; ++p) {
           const __m512i digit = p + 1 < planes
               ? _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(X, bias), mask), bias) : X;
@@ -1095,8 +1101,8 @@ inline __m512 add_digit_sums(__m512i p0, __m512i p1, __m512i p2, __m512 d, __m51
 }
 
 // MT rows against one group of 16 outputs of a kind-4 segment, on integer dot products over the
-// first P digit planes (P = 1: one digit, the other planes' sums zero)
-template <int MT, int P>
+// three digit planes (the exact path)
+template <int MT>
 __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
     const int32_t* digits, const float* scale, const float* xsum, int64_t nb, const uint8_t* rec,
     int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
@@ -1119,19 +1125,98 @@ __attribute__((target("avx512vnni"))) void nibble_tile_vnni(
       for (int p = 0; p < kPlanes; ++p)
         for (int h = 0; h < 2; ++h) {
           __m512i a = _mm512_setzero_si512();
-          if (p < P)
-            for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
+          for (int k = 0; k < 4; ++k) a = _mm512_dpbusd_epi32(a, codes[k][h], _mm512_set1_epi32(w[p * 8 + 2 * k + h]));
           dot[p][h] = a;
         }
-      if (P == 1) {   // add_digit_sums with p1 = p2 = 0, its float steps without the zero terms: same bits
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(dot[0][0], dot[0][1]));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(scale[r * nb + b])), sum, acc[r]);
-        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nb + b]), acc[r]);
-        continue;
-      }
       acc[r] = add_digit_sums(_mm512_add_epi32(dot[0][0], dot[0][1]), _mm512_add_epi32(dot[1][0], dot[1][1]),
                               _mm512_add_epi32(dot[2][0], dot[2][1]), d, m, scale[r * nb + b], xsum[r * nb + b],
                               acc[r]);
+    }
+  }
+  for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
+}
+
+// ---- One digit (flags bit 1): every code kind on integer dot products against inputs rounded to
+// one signed byte per block of 32 (X = round(x / s), s = max |x| / 127), as llama.cpp rounds
+// activations for its integer dots (Q8_0 / Q8_1 against Q4_0 / Q4_1 / Q5_0 / Q8_0; its Q8_K for
+// the K-quants rounds per 256 inputs, this per 32, so a little closer to the exact product).
+// A record covers 32 inputs of 16 outputs, its codes as unsigned bytes u = c + Z laid out in the
+// activation words' order (word 2k + h: inputs 8k + h + {0, 2, 4, 6}), so vpdpbusd (u8 codes x s8
+// inputs) sums four products a lane; the zero point leaves the integer dot as
+// sum u X - Z sum X, exact in int32, by starting the chain at -Z sum X:
+//
+//   kind  codes (file)     Z     record (one digit)                                  w
+//   4     0..15 (Q4_*)     0     4 zmm of nibble words, d, m                         d c + m
+//   5     -16..15 (Q5_0)   16    4 zmm of nibble words, 1 zmm of high bits (byte b   d c
+//                                of lane o's word: bit 2k + h = input 8k + 2b + h's), d
+//   8/32  int8 (Q8_0)      128   8 zmm of bytes, d                                   d c
+//   8/16  -32..31 (Q6_K)   32    8 zmm of bytes, d of inputs 0-15, d of 16-31         d c
+//
+// acc += (d * s) * float(dot) (+ m * s sum X for kind 4): one fixed order per row, so a row's
+// result is independent of the call's other rows (row-stable), on a third of the exact path's
+// integer work (the planes past the first are neither written nor read).
+constexpr int kOneDigitTile = 8;   // rows per pass over a group: the codes are unpacked once for them
+
+template <int KIND, int BLK>
+struct ByteCodes {
+  static constexpr int64_t kScalesAt = KIND == 8 ? 512 : KIND == 5 ? 320 : 256;
+  static constexpr int kZero = KIND == 5 ? 16 : KIND == 8 ? (BLK == 32 ? 128 : 32) : 0;
+  __attribute__((target("avx512vnni"))) static void load(const uint8_t* rec, __m512i (&c)[8]) {
+    if (KIND == 8) {
+      for (int w = 0; w < 8; ++w) c[w] = _mm512_loadu_si512(rec + 64 * w);
+      return;
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int k = 0; k < 4; ++k) {
+      const __m512i n = _mm512_loadu_si512(rec + 64 * k);
+      c[2 * k] = _mm512_and_si512(n, low);
+      c[2 * k + 1] = _mm512_and_si512(_mm512_srli_epi32(n, 4), low);
+    }
+    if (KIND == 5) {   // bit 4 of byte b of word p: bit 8b + p of the high word; 0xF8: a | (b & c)
+      const __m512i high = _mm512_loadu_si512(rec + 256), bit4 = _mm512_set1_epi8(0x10);
+      for (int p = 0; p < 8; ++p) {
+        const __m512i at4 = p <= 4 ? _mm512_slli_epi32(high, 4 - p) : _mm512_srli_epi32(high, p - 4);
+        c[p] = _mm512_ternarylogic_epi32(c[p], at4, bit4, 0xF8);
+      }
+    }
+  }
+};
+
+template <int MT, int KIND, int BLK>
+__attribute__((target("avx512vnni"))) void byte_tile(
+    const int32_t* digits, const float* scale, const float* xsum, const int32_t* isum, int64_t nb,
+    const uint8_t* rec, int64_t blocks, int64_t rec_bytes, int64_t sb, float* y, int64_t ldy, int valid) {
+  using Codes = ByteCodes<KIND, BLK>;
+  __m512 acc[MT];
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, rec += rec_bytes) {
+    fetch_ahead(rec, rec_bytes);
+    __m512i codes[8];
+    Codes::load(rec, codes);
+    const __m512 d0 = load_scales(rec + Codes::kScalesAt, sb);
+    const __m512 d1 = (KIND == 4 || BLK == 16) ? load_scales(rec + Codes::kScalesAt + 16 * sb, sb) : d0;
+    for (int r = 0; r < MT; ++r) {
+      const int64_t rb = r * nb + b;
+      const int32_t* w = digits + rb * kDigitWords;
+      const int32_t* is = isum + 2 * rb;
+      const __m512 s = _mm512_set1_ps(scale[rb]);
+      if (BLK == 16) {   // chain 0: inputs 0-15 (words 0-3), chain 1: 16-31, each with its own d
+        __m512i a0 = _mm512_set1_epi32(-Codes::kZero * is[0]), a1 = _mm512_set1_epi32(-Codes::kZero * is[1]);
+        for (int k = 0; k < 4; ++k) {
+          a0 = _mm512_dpbusd_epi32(a0, codes[k], _mm512_set1_epi32(w[k]));
+          a1 = _mm512_dpbusd_epi32(a1, codes[4 + k], _mm512_set1_epi32(w[4 + k]));
+        }
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d0, s), _mm512_cvtepi32_ps(a0), acc[r]);
+        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d1, s), _mm512_cvtepi32_ps(a1), acc[r]);
+        continue;
+      }
+      __m512i a0 = _mm512_set1_epi32(-Codes::kZero * (is[0] + is[1])), a1 = _mm512_setzero_si512();
+      for (int k = 0; k < 4; ++k) {
+        a0 = _mm512_dpbusd_epi32(a0, codes[2 * k], _mm512_set1_epi32(w[2 * k]));
+        a1 = _mm512_dpbusd_epi32(a1, codes[2 * k + 1], _mm512_set1_epi32(w[2 * k + 1]));
+      }
+      acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d0, s), _mm512_cvtepi32_ps(_mm512_add_epi32(a0, a1)), acc[r]);
+      if (KIND == 4) acc[r] = _mm512_fmadd_ps(d1, _mm512_set1_ps(xsum[rb]), acc[r]);   // d1: the offsets m
     }
   }
   for (int r = 0; r < MT; ++r) store_lanes(y + r * ldy, acc[r], valid);
@@ -1255,7 +1340,7 @@ struct QuantRows {
   const int32_t* digits;     // null: kind 4 on the FMA path
   const float* scale;        // per row and block: the digits' s and s * sum_j X_j
   const float* digit_sum;
-  bool one_digit;            // the digits are one plane (flags bit 1)
+  const int32_t* isum;       // one digit: per row, block and half of 16 inputs, sum_j X_j
 };
 
 template <int MT>
@@ -1267,12 +1352,9 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const Qu
   const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
   const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
   float* yo = y + m0 * O + g.out0 + local * kQuantLanes;
-  if (g.kind == 4 && q.digits && q.one_digit)
-    nibble_tile_vnni<MT, 1>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32, rec,
-                            blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
-  else if (g.kind == 4 && q.digits)
-    nibble_tile_vnni<MT, kPlanes>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32,
-                                  rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  if (g.kind == 4 && q.digits)
+    nibble_tile_vnni<MT>(q.digits + m0 * nb32 * kDigitWords, q.scale + m0 * nb32, q.digit_sum + m0 * nb32, nb32,
+                         rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.kind == 4) nibble_tile<MT, Nibbles>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.kind == 5) nibble_tile<MT, FiveBits>(x, I, xsum, nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
   else if (g.block == 32) q8_tile<MT, 32>(x, I, rec, blocks, g.rec_bytes, g.scale_bytes, yo, O, valid);
@@ -1282,6 +1364,26 @@ void quant_group(const QuantSeg& g, int64_t group, const uint8_t* base, const Qu
 using QuantGroupFn = void (*)(const QuantSeg&, int64_t, const uint8_t*, const QuantRows&, int64_t,
                               float*, int64_t);
 const QuantGroupFn kQuantGroups[kQuantTile] = {quant_group<1>, quant_group<2>, quant_group<3>, quant_group<4>};
+
+// one digit: records of 32 inputs whatever the file's block (ByteCodes)
+template <int MT>
+void byte_group(const QuantSeg& g, int64_t group, const uint8_t* base, const QuantRows& q, int64_t m0,
+                float* y, int64_t O) {
+  const int64_t nb32 = q.nb32, local = group - g.group0;
+  const uint8_t* rec = base + g.offset + local * nb32 * g.rec_bytes;
+  const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
+  float* yo = y + m0 * O + g.out0 + local * kQuantLanes;
+  const int32_t* dg = q.digits + m0 * nb32 * kDigitWords;
+  const float *sc = q.scale + m0 * nb32, *xs = q.digit_sum + m0 * nb32;
+  const int32_t* is = q.isum + 2 * m0 * nb32;
+  if (g.kind == 4) byte_tile<MT, 4, 32>(dg, sc, xs, is, nb32, rec, nb32, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.kind == 5) byte_tile<MT, 5, 32>(dg, sc, xs, is, nb32, rec, nb32, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else if (g.block == 32) byte_tile<MT, 8, 32>(dg, sc, xs, is, nb32, rec, nb32, g.rec_bytes, g.scale_bytes, yo, O, valid);
+  else byte_tile<MT, 8, 16>(dg, sc, xs, is, nb32, rec, nb32, g.rec_bytes, g.scale_bytes, yo, O, valid);
+}
+
+const QuantGroupFn kByteGroups[kOneDigitTile] = {byte_group<1>, byte_group<2>, byte_group<3>, byte_group<4>,
+                                                 byte_group<5>, byte_group<6>, byte_group<7>, byte_group<8>};
 
 }  // namespace
 
@@ -1314,19 +1416,20 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
         xsum[r * nb32 + b] = s;
       }
   }
-  std::vector<int32_t> digits;
+  std::vector<int32_t> digits, isum;
   std::vector<float> scale, digit_sum;
-  if (integer_dots && four_bit) {
+  if (integer_dots && (four_bit || header.one_digit)) {
     TORCH_CHECK(__builtin_cpu_supports("avx512vnni"),
                 "packed quantized weight asks for integer dot products (AVX512-VNNI) this CPU lacks: "
                 "pack it with pack_quant(..., integer_dots=False)");
     digits.resize(M * nb32 * kDigitWords);
     scale.resize(M * nb32);
     digit_sum.resize(M * nb32);
-    activation_digits(xp, M, I, digits.data(), scale.data(), digit_sum.data(), header.one_digit);
+    isum.resize(2 * M * nb32);
+    activation_digits(xp, M, I, digits.data(), scale.data(), digit_sum.data(), isum.data(), header.one_digit);
   }
   const QuantRows rows{xp, I, xsum.data(), nb32, digits.empty() ? nullptr : digits.data(), scale.data(),
-                       digit_sum.data(), header.one_digit};
+                       digit_sum.data(), isum.data()};
   const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
   float* yp = y.data_ptr<float>();
   // one digit stays on VNNI: tiles measured no faster (equal at 16-32 rows, slower at 8-12)
@@ -1353,6 +1456,11 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
         continue;
       }
 #endif
+      if (header.one_digit) {
+        for (int64_t m0 = 0; m0 < M; m0 += kOneDigitTile)
+          kByteGroups[std::min<int64_t>(kOneDigitTile, M - m0) - 1](segs[s], grp, base, rows, m0, yp, O);
+        continue;
+      }
       for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {
         const int mt = (int)std::min<int64_t>(kQuantTile, M - m0);
         kQuantGroups[mt - 1](segs[s], grp, base, rows, m0, yp, O);

@@ -35,14 +35,16 @@ class PackedLinear:
         self.torch_weight = weight if backend.name == "torch" else None
         self.small = None              # the small-M kernel, where this backend and dtype have one
         self.quant_types: tuple[str, ...] = ()
-        self.integer_dots = False      # 4-bit codes on integer dot products (gemv.cpp nibble_tile_vnni)
+        self.integer_dots = False      # codes on integer dot products (gemv.cpp nibble_tile_vnni, byte_tile)
         self.amx = False               # bf16 on AMX tile multiplies (gemv.cpp run_amx)
-        self.one_digit = False         # 4-bit codes meet inputs rounded to one byte (a draft's)
+        self.one_digit = False         # codes meet inputs rounded to one byte per block (byte_tile)
         if backend.kernels is not None and codes:
             self.small = kernels.quant_linear()
-            self.integer_dots = kernels.integer_dots() and any(c.kernel_part()[0] == 4 for c in codes)
-            # one-byte inputs where every part allows them (a draft's quantize_q4) and integer dots run
-            self.one_digit = self.integer_dots and all(c.int8_inputs for c in codes)
+            vnni = kernels.integer_dots()
+            # one-byte inputs where every part allows them (`--weights gguf`, a draft's quantize_q4)
+            # and integer dots run; else integer dots on exact digits for the 4-bit codes only
+            self.one_digit = vnni and all(c.int8_inputs for c in codes)
+            self.integer_dots = self.one_digit or (vnni and any(c.kernel_part()[0] == 4 for c in codes))
             self.small_weight = kernels.pack_quant([c.kernel_part() for c in codes], self.integer_dots,
                                                    self.one_digit)
             self.quant_types = tuple(c.ggml_type for c in codes)

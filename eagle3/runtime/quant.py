@@ -30,7 +30,7 @@ import os
 import re
 import sys
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Optional
 
@@ -192,6 +192,11 @@ class GgufWeights:
     types: Counter                                # GGUF type -> tensors (linears only)
     dequantized: dict[str, str]                   # module weight name -> its type without a kernel
     unmatched: list[str] = field(default_factory=list)   # model linears no GGUF tensor name maps to
+
+    def with_int8_inputs(self) -> "GgufWeights":
+        """The same codes, each allowed one-byte inputs (`--weights gguf`: gemv.cpp byte_tile)."""
+        codes = {n: replace(qc, int8_inputs=True) for n, qc in self.codes.items()}
+        return GgufWeights(codes, self.types, self.dequantized, self.unmatched)
 
     def describe(self) -> str:
         kinds = ", ".join(f"{t} x{n}" for t, n in sorted(self.types.items()))

@@ -43,11 +43,14 @@ class InferenceTarget:
 
     @property
     def weights_name(self) -> str:
-        """What the linears run: "gguf:<types>" on the file's codes (", int8 dot" where 4-bit codes
-        run on integer dot products), else the weight dtype (", amx" where bf16 runs on AMX tiles)."""
+        """What the linears run: "gguf:<types>" on the file's codes (", int8 inputs" where they meet
+        inputs rounded to one byte, ", int8 dot" where 4-bit codes run on exact integer digits),
+        else the weight dtype (", amx" where bf16 runs on AMX tiles)."""
         types = sorted({t for l in self.linears for t in l.quant_types})
         if not types:
             return str(self.backend.weight_dtype) + (", amx" if any(l.amx for l in self.linears) else "")
+        if any(l.one_digit for l in self.linears):
+            return "gguf:" + "+".join(types) + ", int8 inputs"
         return "gguf:" + "+".join(types) + (", int8 dot" if any(l.integer_dots for l in self.linears) else "")
 
     @property
