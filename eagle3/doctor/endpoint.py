@@ -220,6 +220,10 @@ def by_position(samples: list[Sample], family: Optional[str], first: int) -> dic
                 raise ServerError("server.metrics", f"{family}: position label {pos!r} is not an "
                                   "integer", "report the engine version with this line")
             k = int(pos) - first + 1
+            if k < 1:
+                raise ServerError("server.metrics", f"{family}: position {pos} is below the first "
+                                  f"draft position this engine numbers ({first})", "report the "
+                                  "engine version: engines.LIVE has its first position wrong")
             out[k] = out.get(k, 0.0) + s.value
     return out
 

@@ -115,8 +115,9 @@ def delta(before: Counters, after: Counters) -> LiveStats:
             raise ServerError("server.metrics", f"the speculation counters went down (verify steps "
                               f"{before.drafts:g} -> {after.drafts:g}): the server restarted during "
                               "the check", "run the doctor again")
-        per_pos = [(after.per_position[k] - before.per_position.get(k, 0.0)) / steps if steps else 0.0
-                   for k in sorted(after.per_position)]
+        depth = max(after.per_position, default=0)
+        per_pos = [(after.per_position.get(k, 0.0) - before.per_position.get(k, 0.0)) / steps
+                   if steps else 0.0 for k in range(1, depth + 1)]
         return LiveStats(1 + accepted / steps if steps else None, per_pos, steps, accepted)
     return LiveStats(after.accept_length, [], None, None, since_start=True)
 
