@@ -29,7 +29,21 @@ llama.cpp serve exactly 3 captured layers; vLLM any count.
 | vllm        | Eagle3LlamaForCausalLM                  | either       | top-level (input)                |
 | speculators | Eagle3Speculator, speculators_model_type| layers.0.    | top-level (input)                |
 
-Sources: sgl-project/sglang eagle worker + set_eagle3_layers_to_capture (+1); vllm-project/vllm
+A running server (`LIVE`, read by `eagle3 doctor --server`):
+
+| engine       | identity                        | speculation                                          |
+|--------------|---------------------------------|------------------------------------------------------|
+| vLLM 0.32    | /version {"version"}            | /metrics counters vllm:spec_decode_num_drafts, _num_draft_tokens, |
+|              |                                 | _num_accepted_tokens, _per_pos{position = 0-based}; none without |
+|              |                                 | --speculative-config                                 |
+| SGLang 0.5.3 | /server_info (newer) or         | internal_states[].avg_spec_accept_length in that JSON (tokens per |
+|              | /get_server_info: server args   | verify since start, absent before the first); gauge  |
+|              | (speculative_*), "version"      | sglang:spec_accept_length with --enable-metrics      |
+| eagle3 serve | /health {"speculative", "spec"} | /metrics counters eagle3:spec_decode_*, position 1-based |
+
+Sources: vllm-project/vllm vllm/v1/spec_decode/metrics.py (SpecDecodingProm); sgl-project/sglang
+srt/entrypoints/http_server.py (get_server_info), srt/managers/scheduler.py (get_internal_state),
+srt/metrics/collector.py; sgl-project/sglang eagle worker + set_eagle3_layers_to_capture (+1); vllm-project/vllm
 config/speculative.py (method detection), gpu_model_runner aux-layer lookup, transformers_utils/config.py
 maybe_override_with_speculators; llama.cpp conversion/llama.py and src/models/eagle3.cpp (as vendored
 in llama-cpp-python 0.3.36); SafeAILab/EAGLE eagle/model/cnets.py.
