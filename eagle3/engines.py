@@ -29,7 +29,21 @@ llama.cpp serve exactly 3 captured layers; vLLM any count.
 | vllm        | Eagle3LlamaForCausalLM                  | either       | top-level (input)                |
 | speculators | Eagle3Speculator, speculators_model_type| layers.0.    | top-level (input)                |
 
-Sources: sgl-project/sglang eagle worker + set_eagle3_layers_to_capture (+1); vllm-project/vllm
+A running server (`LIVE`, read by `eagle3 doctor --server`):
+
+| engine       | identity                        | speculation                                          |
+|--------------|---------------------------------|------------------------------------------------------|
+| vLLM 0.32    | /version {"version"}            | /metrics counters vllm:spec_decode_num_drafts, _num_draft_tokens, |
+|              |                                 | _num_accepted_tokens, _per_pos{position = 0-based}; none without |
+|              |                                 | --speculative-config                                 |
+| SGLang 0.5.3 | /server_info (newer) or         | internal_states[].avg_spec_accept_length in that JSON (tokens per |
+|              | /get_server_info: server args   | verify since start, absent before the first); gauge  |
+|              | (speculative_*), "version"      | sglang:spec_accept_length with --enable-metrics      |
+| eagle3 serve | /health {"speculative", "spec"} | /metrics counters eagle3:spec_decode_*, position 1-based |
+
+Sources: vllm-project/vllm vllm/v1/spec_decode/metrics.py (SpecDecodingProm); sgl-project/sglang
+srt/entrypoints/http_server.py (get_server_info), srt/managers/scheduler.py (get_internal_state),
+srt/metrics/collector.py; sgl-project/sglang eagle worker + set_eagle3_layers_to_capture (+1); vllm-project/vllm
 config/speculative.py (method detection), gpu_model_runner aux-layer lookup, transformers_utils/config.py
 maybe_override_with_speculators; llama.cpp conversion/llama.py and src/models/eagle3.cpp (as vendored
 in llama-cpp-python 0.3.36); SafeAILab/EAGLE eagle/model/cnets.py.
@@ -219,3 +233,50 @@ def speculators_spec(config: dict, path: str) -> tuple[dict[str, Any], Optional[
     spec = {"method": sc.get("algorithm") or config.get(SPECULATORS_KEY), "model": path,
             "num_speculative_tokens": proposals[0].get("speculative_tokens")}
     return spec, (sc.get("verifier") or {}).get("name_or_path")
+
+
+# ---------------------------------------------------------------------------- running servers
+@dataclass(frozen=True)
+class LiveFacts:
+    """Where a running server states what it is and how its speculation goes (`eagle3 doctor
+    --server`). Metric names are Prometheus family names (a counter's samples may end in `_total`);
+    routes are GET paths. A counter engine exports totals since start, so a run's figures are the
+    difference before and after it; a ratio engine exports only a mean accept length."""
+    name: str                                # vllm | sglang | eagle3
+    label: str
+    detect: tuple[tuple[str, str], ...]      # (route, key its JSON must hold): the engine is found
+    info_routes: tuple[str, ...] = ()        # JSON routes read for version and settings (first found)
+    version_key: Optional[str] = None        # where the version sits in that JSON
+    settings: tuple[str, ...] = ()           # speculative settings in that JSON (algorithm first)
+    drafts: Optional[str] = None             # counter: verify steps that checked draft tokens
+    draft_tokens: Optional[str] = None       # counter: draft tokens checked
+    accepted: Optional[str] = None           # counter: draft tokens accepted (bonus excluded)
+    per_position: Optional[str] = None       # counter labelled `position`: steps accepting >= k
+    first_position: int = 0                  # the `position` label of the first draft token
+    accept_length_key: Optional[str] = None  # list.key in the info JSON: tokens per verify since start
+    accept_length_gauge: Optional[str] = None  # gauge: tokens per verify over a recent interval
+    metrics_flag: str = ""                   # what turns /metrics on, where it is optional
+
+
+LIVE_VLLM = LiveFacts(
+    "vllm", "vLLM", detect=(("/version", "version"),), info_routes=("/version",),
+    version_key="version", drafts="vllm:spec_decode_num_drafts",
+    draft_tokens="vllm:spec_decode_num_draft_tokens",
+    accepted="vllm:spec_decode_num_accepted_tokens",
+    per_position="vllm:spec_decode_num_accepted_tokens_per_pos", first_position=0)
+LIVE_SGLANG = LiveFacts(
+    "sglang", "SGLang", detect=(("/server_info", "internal_states"),
+                                ("/get_server_info", "internal_states")),
+    info_routes=("/server_info", "/get_server_info"), version_key="version",
+    settings=("speculative_algorithm", "speculative_draft_model_path", "speculative_num_steps",
+              "speculative_eagle_topk", "speculative_num_draft_tokens"),
+    accept_length_key="internal_states.avg_spec_accept_length",
+    accept_length_gauge="sglang:spec_accept_length", metrics_flag="--enable-metrics")
+LIVE_EAGLE3 = LiveFacts(
+    "eagle3", "eagle3 serve", detect=(("/health", "speculative"),), info_routes=("/health",),
+    settings=("speculative", "spec"), drafts="eagle3:spec_decode_num_drafts",
+    draft_tokens="eagle3:spec_decode_num_draft_tokens",
+    accepted="eagle3:spec_decode_num_accepted_tokens",
+    per_position="eagle3:spec_decode_num_accepted_tokens_per_pos", first_position=1)
+# tried in this order: SGLang and vLLM answer /health with an empty body, only eagle3 with JSON
+LIVE: dict[str, LiveFacts] = {f.name: f for f in (LIVE_EAGLE3, LIVE_SGLANG, LIVE_VLLM)}

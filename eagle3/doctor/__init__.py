@@ -1,18 +1,22 @@
 """`eagle3 doctor`: catch the zero-acceptance misconfigurations before they cost days.
 
     eagle3 doctor [--target T] [--draft D] [--launch "LINE"]... [--json] [--no-probe]
+    eagle3 doctor --server URL [--api-key K] [--model NAME] [--target T --draft D] [--json]
 
 Prints a table of checks (pass / warn / fail, each failure with its fix) and exits 1 on a failure.
+With --server it checks a running SGLang, vLLM or eagle3 server's acceptance (doctor/server.py).
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional
 
 from .checks import ProbeSettings, run_doctor
 from .launch import DraftFacts, TargetFacts, lint_launch
 from .report import Check, DoctorReport
+from .server import ServerSettings, run_server_doctor
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,6 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=ProbeSettings.top_k)
     p.add_argument("--depth", type=int, default=ProbeSettings.depth)
     p.add_argument("--num-draft-tokens", type=int, default=ProbeSettings.num_draft_tokens)
+    s = p.add_argument_group("a running server (--server)")
+    s.add_argument("--server", metavar="URL", help="check a running SGLang / vLLM / eagle3 server at "
+                   "this base URL (http://HOST:PORT): its speculation counters over a fixed set of "
+                   "prompts; with --draft or --target also our own probe on the same pair")
+    s.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"),
+                   help="the server's API key, sent as 'Authorization: Bearer KEY' (env EAGLE3_API_KEY)")
+    s.add_argument("--model", default=None, help="the served model name (default: the first that "
+                   "/v1/models lists)")
+    s.add_argument("--timeout", type=float, default=ServerSettings.timeout_s,
+                   help="seconds to wait for each HTTP answer")
+    s.add_argument("--max-tokens", type=int, default=ServerSettings.max_tokens,
+                   help="tokens per request sent to the server")
     return p
 
 
@@ -49,6 +65,8 @@ def doctor_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     settings = ProbeSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k,
                              depth=args.depth, num_draft_tokens=args.num_draft_tokens)
+    if args.server:
+        return server_main(args)
     draft = resolve_draft(args.draft, args.target)
     lint_only = draft is None and args.launch and args.draft == "none"
     if lint_only:
@@ -62,8 +80,19 @@ def doctor_main(argv: list[str]) -> int:
     return report.exit_code
 
 
-__all__ = ["Check", "DoctorReport", "DraftFacts", "ProbeSettings", "TargetFacts", "doctor_main",
-           "lint_launch", "run_doctor"]
+def server_main(args: argparse.Namespace) -> int:
+    """--server: the offline probe runs only when the pair was named (--draft or --target)."""
+    offline = args.draft not in ("default", "none") or args.target is not None
+    settings = ServerSettings(max_tokens=args.max_tokens, timeout_s=args.timeout)
+    report = run_server_doctor(args.server, args.api_key, args.model, args.target,
+                               resolve_draft(args.draft, args.target) if offline else None,
+                               offline=offline, settings=settings)
+    print(report.to_json() if args.json else report.table())
+    return report.exit_code
+
+
+__all__ = ["Check", "DoctorReport", "DraftFacts", "ProbeSettings", "ServerSettings", "TargetFacts",
+           "doctor_main", "lint_launch", "run_doctor", "run_server_doctor"]
 
 
 if __name__ == "__main__":

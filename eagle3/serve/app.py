@@ -3,7 +3,7 @@
 | route | auth | what |
 |---|---|---|
 | GET  /                    | no  | chat page (static/index.html): streaming, drafts lit, live tau |
-| GET  /health              | no  | {"status": "ok" or "degraded", ...} (from the acceptance monitor) |
+| GET  /health              | no  | {"status": "ok" or "degraded", "speculative", "spec" (the tree), ...} (from the acceptance monitor) |
 | GET  /metrics             | no  | Prometheus text (see metrics.py) |
 | GET  /v1/models           | yes | the one served model |
 | POST /v1/chat/completions | yes | chat; `stream` = SSE ending in `data: [DONE]` |
@@ -182,6 +182,10 @@ class Server:
                 "speculative": self.engine.speculative,
                 "queue": {"waiting": self.worker.waiting, "running": self.worker.busy,
                           "max_batch": self.max_batch}}
+        if self.engine.speculative:       # the draft tree (eagle3 doctor --server compares offline)
+            spec = self.engine.spec
+            body["spec"] = {"top_k": spec.top_k, "depth": spec.depth,
+                            "num_draft_tokens": spec.num_draft_tokens}
         if self.acceptance is not None:
             body["acceptance"] = self.acceptance
         if self.degraded:
