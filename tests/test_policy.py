@@ -1,6 +1,12 @@
 """The adaptive step's policy (pure: a cost table and steps in, a choice out) and the cost table."""
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
 import pytest
 
 from eagle3.runtime.costs import CostTable, machine_costs
@@ -81,9 +87,6 @@ def test_overhead_is_the_average_wall_time_past_the_forwards():
 
 
 def test_machine_costs_are_cached_per_key(tmp_path, monkeypatch):
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).parent))
     from spec_helpers import tiny_draft, tiny_target
     monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
     target = tiny_target(layers=2)
@@ -93,9 +96,52 @@ def test_machine_costs_are_cached_per_key(tmp_path, monkeypatch):
     assert all(ms > 0 for ms in table.target_ms + table.draft_ms)
     files = list((tmp_path / "costs").glob("*.json"))
     assert len(files) == 1
-    files[0].write_text(CostTable(ROWS, (1.0,) * 5, (2.0,) * 5).to_json())   # the cache is read
-    assert machine_costs(target, draft).target(1) == 1.0
-    assert machine_costs(target, draft, remeasure=True, reps=1).rows == table.rows
+    marked = CostTable(table.rows, table.target_ms, (2.0,) * len(table.rows))
+    files[0].write_text(marked.to_json())                                  # the cache is read
+    assert machine_costs(target, draft).draft(1) == 2.0
+    assert machine_costs(target, draft, remeasure=True, reps=1).draft(1) != 2.0
+
+
+@contextlib.contextmanager
+def cores_taken(seconds: float = 60.0):
+    """Half of this machine's cores spinning in other processes (each stops by itself)."""
+    spin = f"import time\nt = time.time()\nwhile time.time() - t < {seconds}: pass"
+    procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(max(1, (os.cpu_count() or 2) // 2))]
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_table_measured_while_another_process_holds_a_core_does_not_survive_a_quiet_run(tmp_path, monkeypatch):
+    from spec_helpers import tiny_draft, tiny_target
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    target = tiny_target(layers=2)
+    draft = tiny_draft(target)
+    with cores_taken():
+        busy = machine_costs(target, draft, reps=3)
+    assert not busy.quiet and busy.others >= 0.3
+    path = next((tmp_path / "costs").glob("*.json"))
+    assert not CostTable.from_json(path.read_text()).quiet             # cached, marked as disturbed
+    quiet = machine_costs(target, draft, reps=3)                        # measured again
+    assert quiet.quiet and CostTable.from_json(path.read_text()) == quiet
+    assert machine_costs(target, draft) == quiet                        # and now served from the cache
+
+
+def test_a_cached_table_far_above_a_quiet_forward_now_is_measured_again(tmp_path, monkeypatch):
+    """A table cached as quiet whose 1-row cost is several times what one forward costs now (a
+    table from an older version, or a busy moment the watch could not see) is measured anew."""
+    from spec_helpers import tiny_target
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    target = tiny_target(layers=2)
+    table = machine_costs(target, None, reps=3)
+    path = next((tmp_path / "costs").glob("*.json"))
+    inflated = CostTable(table.rows, tuple(20 * ms + 5.0 for ms in table.target_ms), ())
+    path.write_text(inflated.to_json())
+    assert machine_costs(target, None).target(1) < inflated.target(1) / 2
 
 
 def test_averages_start_as_the_mean_then_forget_exponentially():
