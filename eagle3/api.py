@@ -15,6 +15,7 @@ WEIGHT_CHOICES = ("auto", "gguf", "gguf-exact", "fp32", "bf16")
 GGUF_CHOICES = ("gguf", "gguf-exact")
 DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
 SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
+SUFFIX_ONLY_DRAFT = "suffix"   # draft=: no draft model, suffix-only blocks under the adaptive step
 DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
 
 
@@ -155,9 +156,13 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     (policy.DEFAULT_SHAPES for greedy requests, SAMPLED_SHAPES with SAMPLED_MEMORY and
     SAMPLED_PROBE_STEPS for sampled ones; `shapes` given: those for both)."""
     from .runtime.costs import machine_costs
-    from .speculative.policy import (DEFAULT_SHAPES, SAMPLED_MEMORY, SAMPLED_PROBE_STEPS, SAMPLED_SHAPES,
-                                     AdaptivePolicy)
+    from .speculative.policy import (DEFAULT_SHAPES, DRAFTLESS_SUFFIX_TOKENS, SAMPLED_MEMORY,
+                                     SAMPLED_PROBE_STEPS, SAMPLED_SHAPES, AdaptivePolicy)
     costs = machine_costs(target, draft, remeasure=remeasure)
+    if draft is None:     # no draft: suffix-only blocks where the index matches, else plain steps
+        return lambda greedy=True: AdaptivePolicy((), costs, suffix_only_tokens=DRAFTLESS_SUFFIX_TOKENS,
+                                                  **({} if greedy else {"memory": SAMPLED_MEMORY,
+                                                                        "probe_steps": SAMPLED_PROBE_STEPS}))
 
     def make(greedy: bool = True) -> AdaptivePolicy:
         if greedy:
@@ -172,8 +177,11 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
                 max_model_len: int = 2048, algorithm: Optional[str] = None,
                 pack: bool = True, weights: str = "auto", draft_weights: str = "auto",
                 adaptive: bool = True) -> Engine:
-    """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (shipped draft for
-    the default model, else none), None/"none" (plain decoding), or a draft checkpoint directory.
+    """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (the shipped draft
+    for the default model; for any other model suffix-only speculation: the suffix index's
+    continuations over the prompt and output verified as blocks, where the adaptive step says they
+    pay), "suffix" (that, for any model), None/"none" (plain decoding), or a draft checkpoint
+    directory.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
     contract is checked here, before anything runs). pack: run the inference layouts built from the
     weights (runtime.target, draft.inference); False runs the reference modules.
@@ -191,7 +199,7 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     dev = pick_device(device)
     target, tokenizer = load_target(model, dev, dtype)
     draft_path = default_draft_path(model) if draft == "default" else (
-        None if draft in (None, "", "none") else Path(draft))
+        None if draft in (None, "", "none", SUFFIX_ONLY_DRAFT) else Path(draft))
     drafter = None
     if draft_path is not None:
         from .draft.contract import check_pair
@@ -206,7 +214,8 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     elif weights not in ("fp32", "auto"):
         raise InputError(f"weights={weights!r} needs the inference layout (pack=True)")
     policy = None
-    if drafter is not None and spec is None and adaptive:
+    if spec is None and adaptive and (drafter is not None or draft in ("default", SUFFIX_ONLY_DRAFT)):
+        # a target no draft is shipped for still speculates: suffix-only blocks (draft=None)
         policy = adaptive_policy(target, drafter)
     engine = Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len,
                     policy=policy)

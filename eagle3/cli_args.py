@@ -6,8 +6,10 @@ import argparse
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft", default="default",
-                   help="draft checkpoint dir; 'default' = the shipped draft for the default model; "
-                        "'none' = plain decoding")
+                   help="draft checkpoint dir; 'default' = the shipped draft for the default model "
+                        "(any other model: as 'suffix'); 'suffix' = no draft model, blocks copied from "
+                        "suffix matches over the prompt and output, verified where they pay; 'none' = "
+                        "plain decoding")
     p.add_argument("--algorithm", choices=["eagle3", "eagle"], type=str.lower,
                    help="assert the draft's algorithm (read from the checkpoint; a mismatch is an error)")
     p.add_argument("--top-k", type=int, default=None, help="tree: children per node (1 = chain)")

@@ -172,3 +172,77 @@ def test_accepted_suffix_counts_suffix_only_nodes():
                       [0, BOTH, SUFFIX, SUFFIX, DRAFT])
     assert suffix_only(tree, [0, 1, 2, 3]) == 2 and suffix_only(tree, [0, 4]) == 0
     assert suffix_only(tree._replace(sources=None), [0, 1, 2, 3]) == 0
+
+
+# ---------------------------------------------------------------------------- no draft at all
+def draftless_policy(greedy: bool = True):
+    """What api.adaptive_policy(target, None) makes (no tree shapes: suffix-only blocks or plain),
+    probing every other step: a 40-token run sees the repeats early."""
+    from eagle3.runtime.costs import CostTable
+    from eagle3.speculative.policy import DRAFTLESS_SUFFIX_TOKENS, AdaptivePolicy
+    table = CostTable((1, 2, 4, 8, 16, 32, 64), (1.0, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6), ())
+    return AdaptivePolicy((), table, suffix_only_tokens=DRAFTLESS_SUFFIX_TOKENS, probe_every=2,
+                          max_probe_every=4)
+
+
+def test_a_target_without_a_draft_speculates_with_suffix_blocks(target, reference):
+    """No draft model: suffix-only blocks where the index matches, plain steps elsewhere; the
+    output is plain decoding's, token for token, and no draft cache or pending rows exist."""
+    from eagle3.generate import Engine
+    from spec_helpers import StubTokenizer
+    engine = Engine(target, StubTokenizer(), max_model_len=len(PROMPT) + MAX_NEW, policy=draftless_policy)
+    assert engine.speculative and engine.draft_cache is None
+    result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
+    assert result.token_ids == reference
+    arms = {s.arm for s in result.decode_steps}
+    assert arms <= {"suffix", "plain"} and "suffix" in arms
+    assert sum(s.accepted for s in result.decode_steps) >= 3          # copied tokens were accepted
+
+
+def test_a_draftless_decoder_keeps_nothing_for_a_draft(target):
+    from eagle3.speculative.policy import AdaptivePolicy
+    dec = SpecDecoder(target, None, target.new_cache(96), None, SamplingParams(), policy=draftless_policy())
+    dec.prefill(PROMPT, 40)
+    for _ in range(12):
+        dec.step()
+    assert dec.pending == [] and dec.caches == (dec.cache,)
+    with pytest.raises(InputError, match="without a draft needs a policy of suffix-only blocks"):
+        SpecDecoder(target, None, target.new_cache(96), None, SamplingParams())
+    with pytest.raises(InputError, match="a tree shape or suffix-only blocks"):
+        AdaptivePolicy((), draftless_policy().costs)
+
+
+def test_sampling_without_a_draft_is_lossless(target, reference):
+    """Suffix-only blocks under sampling: the joint of the next two tokens is the target's."""
+    params = SamplingParams(temperature=1.0, seed=0)
+    prompt = PROMPT + reference[:23]
+    dec = SpecDecoder(target, None, target.new_cache(64), None, params, policy=draftless_policy(False))
+    t1 = dec.prefill(prompt, 8).tokens[0]
+    saved = (dec.cache.length, dec.root, copy.deepcopy(dec.suffix))
+    vocab = target.config.vocab_size
+    counts, via_suffix = torch.zeros(vocab, vocab), 0
+    for _ in range(600):
+        dec.cache.truncate(saved[0])
+        dec.root, dec.suffix, dec.suffix_last = saved[1], copy.deepcopy(saved[2]), None
+        tokens = []
+        while len(tokens) < 2:
+            step = dec.step()
+            tokens += step.tokens
+            via_suffix += step.accepted
+        counts[tokens[0], tokens[1]] += 1
+    assert via_suffix > 150
+    assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01
+
+
+def test_load_engine_speculates_without_a_draft_where_none_is_shipped(monkeypatch):
+    """draft="default" for a model without a shipped draft, or draft="suffix": a suffix-only
+    policy; draft="none": plain decoding."""
+    import eagle3.api as api
+    from spec_helpers import StubTokenizer
+    tiny = tiny_target(2, vocab=8)
+    monkeypatch.setattr(api, "load_target", lambda model, dev, dtype: (tiny, StubTokenizer()))
+    monkeypatch.setattr(api, "adaptive_policy", lambda target, draft: (lambda greedy=True: draftless_policy(greedy)))
+    assert api.load_engine("some-model", pack=False).speculative
+    assert api.load_engine("some-model", draft="suffix", pack=False).speculative
+    assert not api.load_engine("some-model", draft="none", pack=False).speculative
+    assert not api.load_engine("some-model", pack=False, adaptive=False).speculative

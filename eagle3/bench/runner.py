@@ -80,6 +80,8 @@ def resolve_draft(cfg: BenchConfig) -> tuple[Optional[str], Optional[str]]:
     from ..api import default_draft_path
     if cfg.draft in ("none", ""):
         return None, "--draft none"
+    if cfg.draft == "suffix":
+        return None, "--draft suffix (no draft model: suffix-only blocks)"
     if cfg.draft == "default":
         path = default_draft_path(cfg.model)
         if path is None:
@@ -144,7 +146,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))
     device = str(engine.target.device)
     log(f"target {src.name} on {device}, draft: {no_draft or 'loaded'}")
-    if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.speculative:
+    if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
         from .llamacpp import build_eagle3                       # converts the unpacked draft
         b.add("llama.cpp-eagle3", lambda: build_eagle3(
             engine.draft, engine.target.config, src.hf_dir, src.gguf, cfg.chain_depth,
@@ -194,7 +196,9 @@ def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str], src)
     target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights, src)
     shapes = spec_shapes(cfg) if engine.speculative else {}
     policy = None
-    if draft is not None and wanted(cfg, ADAPTIVE):
+    # without a draft (none shipped for this model, or --draft suffix) ours-adaptive runs suffix-only
+    # blocks, as load_engine does
+    if wanted(cfg, ADAPTIVE) and (draft is not None or cfg.draft in ("default", "suffix")):
         from ..api import adaptive_policy
         policy = adaptive_policy(target, draft)                  # cost table: measured once, cached
     b.systems += build_ours(target, draft, engine.tokenizer, engine.max_model_len, shapes, policy)

@@ -3,7 +3,7 @@
 An Engine owns a target (and optionally a draft), their preallocated caches and the tokenizer. It
 serves one sequence at a time; `stream` yields Chunks, `generate` collects them into a
 GenerationResult. The per-step token source is a Decoder: PlainDecoder, or the speculative decoder
-from eagle3.speculative when a draft is attached.
+from eagle3.speculative when a draft is attached, or a policy of suffix-only blocks without one.
 """
 from __future__ import annotations
 
@@ -37,19 +37,22 @@ class Engine:
     def __init__(self, target, tokenizer, draft=None, spec=None, max_model_len: int = 2048,
                  policy: Optional[Callable[[bool], "AdaptivePolicy"]] = None):
         """policy: makes the adaptive step's policy (speculative.policy) for greedy (True) or sampled
-        (False) requests, each kept across requests; None = every step drafts `spec`."""
+        (False) requests, each kept across requests; None = every step drafts `spec`. Without a
+        draft, a policy of suffix-only blocks (api.adaptive_policy(target, None)) still speculates."""
         if draft is not None and spec is None:
             from ..speculative.tree import SpecParams
             spec = SpecParams()
         self.target, self.tokenizer, self.draft, self.spec = target, tokenizer, draft, spec
         self.max_model_len = max_model_len
-        self.policy_factory = policy if draft is not None else None
+        self.policy_factory = policy
         self.policies: dict[bool, "AdaptivePolicy"] = {}        # params.greedy -> its policy
         shapes = [spec] if spec else []
         if self.policy_factory is not None:                     # made now: their shapes size the caches
             self.policies = {greedy: self.policy_factory(greedy) for greedy in (True, False)}
             shapes += [s for p in self.policies.values() for s in p.shapes]
-        slack = max((s.cache_slack for s in shapes), default=1)  # verify block / draft tree rows
+        suffix_rows = max((p.suffix_only_tokens + 2 for p in self.policies.values()), default=1)
+        # verify block / draft tree / suffix-only block rows
+        slack = max(max((s.cache_slack for s in shapes), default=1), suffix_rows)
         self.cache = target.new_cache(max_model_len + slack)
         self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None
         self.eos_ids = set(getattr(target.config, "eos_token_ids", ()) or ())
@@ -65,8 +68,9 @@ class Engine:
 
     @property
     def speculative(self) -> bool:
-        """True when a draft is attached (steps are speculative unless a call asks for plain)."""
-        return self.draft is not None
+        """True when a draft is attached or a policy of suffix-only blocks stands in for one (steps
+        are speculative unless a call asks for plain)."""
+        return self.draft is not None or self.policy_factory is not None
 
     # ------------------------------------------------------------------ entry points
     def encode(self, prompt: Optional[str] = None, messages: Optional[Sequence[dict]] = None,

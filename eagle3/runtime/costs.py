@@ -38,10 +38,13 @@ from ..paths import cache_root
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
 
 
-QUIET_SHARE = 0.2      # other processes' share of all CPUs above which a measurement is disturbed
+QUIET_SHARE = 0.1      # other processes' share of all CPUs above which a measurement is disturbed
+                       # (one process spinning beside a 2-thread measurement on 2 cores: 0.16-0.2;
+                       # a quiet machine: 0.00-0.02)
 STALE_RATIO = 1.5      # a cached 1-row cost this much over a quiet one now (and STALE_MS more):
 STALE_MS = 1.0         # measured in a busy moment (sub-ms forwards of tiny models jitter more)
 TRIES = 3
+WATCH_S = 0.25         # the load-time check runs at least this long
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,9 @@ def _stat_ticks() -> Optional[tuple[int, int]]:
 
 class CpuWatch:
     """The share of all CPUs that other processes took while the block ran: (busy ticks - this
-    process's own CPU time) / total ticks. 0.0 where /proc/stat is not there."""
+    process's own CPU time) / total ticks, less two ticks (both counters count whole ticks, 10 ms:
+    a short block would otherwise read a kernel thread's one tick as a busy machine). 0.0 where
+    /proc/stat is not there."""
 
     def __enter__(self) -> "CpuWatch":
         self.others = 0.0
@@ -99,7 +104,7 @@ class CpuWatch:
         busy = (ticks[0] - self._start[0][0]) / hz
         total = (ticks[1] - self._start[0][1]) / hz
         if total > 0:
-            self.others = min(1.0, max(0.0, (busy - (own - self._start[1])) / total))
+            self.others = min(1.0, max(0.0, (busy - (own - self._start[1]) - 2 / hz) / total))
 
 
 def _own_seconds() -> float:
@@ -246,6 +251,9 @@ def quietest_table(target, draft, reps: int) -> CostTable:
 def measured_when_busy(table: CostTable, target, reps: int = 5) -> bool:
     """Whether a cached table's 1-row cost is over STALE_RATIO times (and STALE_MS over) a 1-row
     forward measured now, in a quiet moment (a busy moment now proves nothing: the table is kept)."""
-    with CpuWatch() as watch:
-        now = target_costs(target, (1,), reps=reps)[0]
+    with CpuWatch() as watch:   # at least WATCH_S long, so the watch's ticks mean something
+        t0, samples = time.perf_counter(), []
+        while len(samples) < 3 or time.perf_counter() - t0 < WATCH_S:
+            samples += target_costs(target, (1,), reps=reps)
+        now = sorted(samples)[len(samples) // 2]
     return watch.others <= QUIET_SHARE and table.target(1) > max(STALE_RATIO * now, now + STALE_MS)

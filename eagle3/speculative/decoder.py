@@ -21,6 +21,8 @@ nodes + 1) nodes, within half to four times policy.suffix_only_tokens: `suffix_o
 runs no draft forward either: the (features, next ids) rows of its accepted nodes wait in `pending`
 like a plain step's, and its tree goes through the same verifiers as a hybrid tree (a suffix
 continuation is a point-mass proposal, fixed by the context; see verify.py).
+Without a draft (a target no draft was trained for) the policy has no tree shapes: each step is a
+suffix-only block or a plain step, nothing waits in `pending` and there is no draft cache.
 
 Cache bookkeeping (n = target cache length at the start of a step):
 
@@ -76,13 +78,14 @@ SUFFIX_MAX_FACTOR = 4
 class Verified(NamedTuple):
     """A verified tree block: the acceptance and the target features of the accepted nodes."""
     acc: Acceptance
-    features: torch.Tensor   # [m+1, F] at the root and the accepted nodes, in path order
+    features: Optional[torch.Tensor]   # [m+1, F] at the root and the accepted nodes, in path
+                                       # order (None without a draft: nothing reads them)
 
 
 class SpecDecoder:
     """Implements eagle3.generate.types.Decoder with a draft model and tree verification."""
 
-    def __init__(self, target, draft: DraftBase, cache: KVCache, draft_cache: KVCache,
+    def __init__(self, target, draft: Optional[DraftBase], cache: KVCache, draft_cache: Optional[KVCache],
                  params: SamplingParams, spec: Optional[SpecParams] = None,
                  suffix_cache: Optional[SuffixCache] = None,
                  policy: Optional[AdaptivePolicy] = None):
@@ -90,18 +93,15 @@ class SpecDecoder:
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
         self.timed = True      # the next step runs on the chosen thread count (Engine.decode_step)
         self.last_run: Optional[tuple] = None   # the last policy step: arm, rows, levels, catch-up rows
-        cfg = draft.config
-        self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
         self.suffix_only_tokens = policy.suffix_only_tokens if policy else 0
-        for shape in self.shapes:
-            if shape.top_k > cfg.draft_vocab_size:
-                raise InputError(f"spec top_k={shape.top_k} exceeds the draft vocabulary "
-                                 f"({cfg.draft_vocab_size}); lower top_k")
-        if cfg.vocab_size != target.config.vocab_size:
-            raise ContractError("draft vocab_size", cfg.vocab_size, target.config.vocab_size,
-                                "this draft was trained for a target with another vocabulary; "
-                                "use the draft made for this target")
-        self.capture_ids = tuple(cfg.aux_layer_ids) if cfg.algorithm == "eagle3" else ()
+        if draft is None:      # no draft: suffix-only blocks and plain steps under the policy
+            if policy is None or policy.shapes or not self.suffix_only_tokens:
+                raise InputError("a SpecDecoder without a draft needs a policy of suffix-only blocks "
+                                 "(no tree shapes, suffix_only_tokens > 0): api.adaptive_policy(target, None)")
+            self.shapes, self.capture_ids = (), ()
+        else:
+            self.shapes = (self.spec,) + (tuple(policy.shapes) if policy else ())
+            self.capture_ids = check_draft(draft, target, self.shapes)
         self.device = target.device
         self.gen = params.generator(self.device)
         self.eyes = {s.top_k: torch.eye(s.top_k, dtype=torch.bool, device=self.device) for s in self.shapes}
@@ -123,14 +123,18 @@ class SpecDecoder:
     @property
     def slack(self) -> int:
         """Cache rows reserved past the output at prefill: the largest verify block or draft tree."""
-        return max(max(s.cache_slack for s in self.shapes), self.suffix_only_tokens + 2)
+        return max(max((s.cache_slack for s in self.shapes), default=1), self.suffix_only_tokens + 2)
+
+    @property
+    def caches(self) -> tuple[KVCache, ...]:
+        return (self.cache,) if self.draft is None else (self.cache, self.draft_cache)
 
     # ------------------------------------------------------------------ decoder interface
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
         self.pending, self.suffix_last = [], None
-        for cache in (self.cache, self.draft_cache):
+        for cache in self.caches:
             cache.reset()
             cache.check_room(n + max_new_tokens + self.slack - 1)
         t0 = time.perf_counter()
@@ -142,7 +146,9 @@ class SpecDecoder:
         # the draft's rows over the prompt wait like a plain step's: the first drafted tree catches
         # up over them, and a request the policy decodes plainly never runs them (~11 ms of a
         # ~100-token prompt on the codes, where plain steps win)
-        self.pending, self.head = [(torch.cat([ids[1:], self.root]), self._features(out)[0])], None
+        self.head = None
+        if self.draft is not None:
+            self.pending = [(torch.cat([ids[1:], self.root]), self._features(out)[0])]
         root = int(self.root)
         if self.suffix_only_tokens or any(s.suffix_tokens for s in self.shapes):
             self.suffix = SuffixIndex(cache=self.suffix_cache)
@@ -184,7 +190,8 @@ class SpecDecoder:
         positions = torch.tensor([start], device=self.device)
         out = self.target(self.root[None], positions, self.cache, capture_ids=self.capture_ids)
         self.root = sample_next(out.logits[0, -1], self.params, self.gen).view(1)
-        self.pending.append((self.root, self._features(out)[0]))
+        if self.draft is not None:
+            self.pending.append((self.root, self._features(out)[0]))
         token = int(self.root)
         if self.suffix is not None:
             self.suffix.extend([token])
@@ -210,7 +217,7 @@ class SpecDecoder:
         want = min(max(want, base // 2, 1), SUFFIX_MAX_FACTOR * base)
         if want <= base:
             return want
-        room = min(c.max_len for c in (self.cache, self.draft_cache)) - self.cache.length - self.slack
+        room = min(c.max_len for c in self.caches) - self.cache.length - self.slack
         return max(base, min(want, base + room))
 
     def suffix_step(self, conts: list[list[int]]) -> Step:
@@ -227,7 +234,8 @@ class SpecDecoder:
         acc, features = self._verify(tree, start)
         self.suffix_last = acc.accept_len
         self.root = self._ids(acc.tokens[-1:])
-        self.pending.append((self._ids(acc.tokens), features))
+        if self.draft is not None:
+            self.pending.append((self._ids(acc.tokens), features))
         self.suffix.extend(acc.tokens)
         return Step(acc.tokens, acc.accept_len, verify_s=time.perf_counter() - t0,
                     proposed=tree.size - 1, accepted_suffix=acc.accept_len)
@@ -267,7 +275,7 @@ class SpecDecoder:
         acc = self.accept(out.logits[0], tree)
         kept = self._ids(acc.nodes)
         self.cache.keep(start, kept)
-        return Verified(acc, self._features(out)[0, kept])
+        return Verified(acc, self._features(out)[0, kept] if self.draft is not None else None)
 
     def accept(self, logits: torch.Tensor, tree: Tree) -> Acceptance:
         # logits [T, V] at the tree nodes
@@ -366,6 +374,20 @@ class SpecDecoder:
         out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],
                          logits_rows=slice(-1, None))
         self.head = DraftHead(out.logits[0, -1], out.hidden[0, -1])
+
+
+def check_draft(draft: DraftBase, target, shapes) -> tuple[int, ...]:
+    """The draft fits the shapes and the target's vocabulary; the target layers it reads."""
+    cfg = draft.config
+    for shape in shapes:
+        if shape.top_k > cfg.draft_vocab_size:
+            raise InputError(f"spec top_k={shape.top_k} exceeds the draft vocabulary "
+                             f"({cfg.draft_vocab_size}); lower top_k")
+    if cfg.vocab_size != target.config.vocab_size:
+        raise ContractError("draft vocab_size", cfg.vocab_size, target.config.vocab_size,
+                            "this draft was trained for a target with another vocabulary; "
+                            "use the draft made for this target")
+    return tuple(cfg.aux_layer_ids) if cfg.algorithm == "eagle3" else ()
 
 
 def first_cut(conts: list[list[int]], budget: int) -> list[list[int]]:

@@ -77,6 +77,9 @@ DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8
 # (24 x 128 at T=1, bf16: 1.01x plain with 0.9, 1.08x with 0.97; the fixed 3-sibling tree 1.01-1.09x).
 SAMPLED_SHAPES = (SpecParams(3, 1, 4, 0.0), SpecParams(7, 1, 8, 0.0), SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
 SAMPLED_MEMORY = 0.97
+# a target without a draft: suffix-only blocks or plain decoding, for greedy and sampled requests
+# (a block then grows to 4x this while a copy runs: SpecDecoder.suffix_only_budget)
+DRAFTLESS_SUFFIX_TOKENS = 16
 SAMPLED_PROBE_STEPS = 4
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
@@ -137,8 +140,9 @@ class AdaptivePolicy:
     steps: int = 0
 
     def __post_init__(self):
-        if not self.shapes:
-            raise InputError("AdaptivePolicy needs at least one tree shape; pass shapes=DEFAULT_SHAPES")
+        if not self.shapes and not self.suffix_only_tokens:
+            raise InputError("AdaptivePolicy needs a tree shape or suffix-only blocks; pass "
+                             "shapes=DEFAULT_SHAPES, or suffix_only_tokens > 0 for a target without a draft")
         if not 0.0 <= self.memory < 1.0:
             raise InputError(f"AdaptivePolicy memory must be in [0, 1), got {self.memory}")
         if self.probe_every and self.max_probe_every < self.probe_every:
@@ -157,7 +161,10 @@ class AdaptivePolicy:
             raise InputError(f"AdaptivePolicy probe_steps must be >= 1, got {self.probe_steps}")
 
     def _suffix_budget(self, tokens: Optional[int]) -> int:
-        """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder)."""
+        """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder); without
+        shapes (no draft) it sizes the slack itself."""
+        if not self.shapes:
+            return tokens
         most = max(s.max_tree_size for s in self.shapes) - 1
         if tokens is None:
             return most
