@@ -156,11 +156,12 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     (policy.DEFAULT_SHAPES for greedy requests, SAMPLED_SHAPES with SAMPLED_MEMORY and
     SAMPLED_PROBE_STEPS for sampled ones; `shapes` given: those for both)."""
     from .runtime.costs import machine_costs
-    from .speculative.policy import (DEFAULT_SHAPES, DRAFTLESS_SUFFIX_TOKENS, SAMPLED_MEMORY,
+    from .speculative.policy import (DEFAULT_SHAPES, DRAFTLESS_MIN_MATCH, DRAFTLESS_SUFFIX_TOKENS, SAMPLED_MEMORY,
                                      SAMPLED_PROBE_STEPS, SAMPLED_SHAPES, AdaptivePolicy)
     costs = machine_costs(target, draft, remeasure=remeasure)
     if draft is None:     # no draft: suffix-only blocks where the index matches, else plain steps
         return lambda greedy=True: AdaptivePolicy((), costs, suffix_only_tokens=DRAFTLESS_SUFFIX_TOKENS,
+                                                  suffix_only_min_match=DRAFTLESS_MIN_MATCH,
                                                   **({} if greedy else {"memory": SAMPLED_MEMORY,
                                                                         "probe_steps": SAMPLED_PROBE_STEPS}))
 

@@ -246,3 +246,17 @@ def test_load_engine_speculates_without_a_draft_where_none_is_shipped(monkeypatc
     assert api.load_engine("some-model", draft="suffix", pack=False).speculative
     assert not api.load_engine("some-model", draft="none", pack=False).speculative
     assert not api.load_engine("some-model", pack=False, adaptive=False).speculative
+
+
+def test_suffix_only_blocks_need_a_match_of_the_policys_length(target, reference):
+    """A match shorter than suffix_only_min_match offers no suffix-only block (the draftless
+    default asks for 4 tokens: short matches were mostly rejected on the copy workload)."""
+    from dataclasses import replace as with_
+    from eagle3.generate import Engine
+    from spec_helpers import StubTokenizer
+    for shortest, some in ((2, True), (17, False)):      # 17: past SuffixIndex's longest match
+        policy = lambda greedy=True: with_(draftless_policy(greedy), suffix_only_min_match=shortest)
+        engine = Engine(target, StubTokenizer(), max_model_len=len(PROMPT) + MAX_NEW, policy=policy)
+        result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
+        assert result.token_ids == reference
+        assert any(s.arm == "suffix" for s in result.decode_steps) == some

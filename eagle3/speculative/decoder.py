@@ -204,7 +204,8 @@ class SpecDecoder:
         if self.suffix is None or not self.suffix_only_tokens:
             return []
         budget = self.suffix_only_budget()
-        return first_cut([c.tokens for c in self.suffix.propose(budget)], budget)
+        shortest = self.policy.suffix_only_min_match if self.policy else 0
+        return first_cut([c.tokens for c in self.suffix.propose(budget) if c.match_len >= shortest], budget)
 
     def suffix_only_budget(self) -> int:
         """Nodes a suffix-only block may hold now: SUFFIX_GROWTH x (the last block's accepted nodes

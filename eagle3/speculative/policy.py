@@ -77,9 +77,13 @@ DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8
 # (24 x 128 at T=1, bf16: 1.01x plain with 0.9, 1.08x with 0.97; the fixed 3-sibling tree 1.01-1.09x).
 SAMPLED_SHAPES = (SpecParams(3, 1, 4, 0.0), SpecParams(7, 1, 8, 0.0), SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
 SAMPLED_MEMORY = 0.97
-# a target without a draft: suffix-only blocks or plain decoding, for greedy and sampled requests
-# (a block then grows to 4x this while a copy runs: SpecDecoder.suffix_only_budget)
-DRAFTLESS_SUFFIX_TOKENS = 16
+# a target without a draft: suffix-only blocks or plain decoding, for greedy and sampled requests;
+# a block starts at half DRAFTLESS_SUFFIX_TOKENS and grows to 4x it while a copy runs
+# (SpecDecoder.suffix_only_budget), and needs a match of DRAFTLESS_MIN_MATCH tokens (copy
+# workload, 16 x 256, T=0, SmolLM2 codes: 16 / 2 1.62x plain, 8 / 2 1.68x, 8 / 4 1.80x, 16 / 5 1.80x;
+# Qwen2.5-Coder-0.5B: 16 / 2 1.25x, 8 / 4 1.27x, 16 / 4 1.18x; one run each, docs/benchmarks.md)
+DRAFTLESS_SUFFIX_TOKENS = 8
+DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
@@ -134,6 +138,7 @@ class AdaptivePolicy:
     correct_costs: bool = True                 # False: cost = the table's, uncorrected
     suffix_only_tokens: Optional[int] = None   # a suffix-only block's base size (None: the largest
                                                # shape's verify block - 1; 0: no arm)
+    suffix_only_min_match: int = 2             # a suffix-only block needs a match this long
     probe_steps: int = 1                       # steps an arm runs when first tried or probed
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
