@@ -179,11 +179,12 @@ def test_avx512_bf16_instructions_sit_only_in_the_attributed_functions():
 @needs
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 def test_avx512_vnni_instructions_sit_only_in_the_attributed_function():
-    """No -mavx512vnni for the whole file: only the integer-dot tile may hold them, so a CPU with
-    AVX-512 but without VNNI runs every other kernel."""
+    """No -mavx512vnni for the whole file: only the integer-dot tiles (exact digits, one digit)
+    may hold them, so a CPU with AVX-512 but without VNNI runs every other kernel."""
     holders = _functions_with(Path(kernels.state().module.__file__), VNNI_OPS)
     assert holders, "linear_quant's integer dot products are gone"
-    assert all(re.search(r"\bnibble_tile_vnni<\d, \d>\(", f) for f in holders), sorted(holders)
+    tile = r"\b(nibble_tile_vnni<\d>|byte_tile<\d, \d, \d+>)\("
+    assert all(re.search(tile, f) for f in holders), sorted(holders)
     assert not any("vnni" in flag for flag in kernels.CFLAGS)
 
 

@@ -204,7 +204,7 @@ class SpecDecoder:
         if self.suffix is None or not self.suffix_only_tokens:
             return []
         budget = self.suffix_only_budget()
-        shortest = self.policy.suffix_only_min_match if self.policy else 0
+        shortest = getattr(self.policy, "suffix_only_min_match", 0)   # (scripted test policies lack it)
         return first_cut([c.tokens for c in self.suffix.propose(budget) if c.match_len >= shortest], budget)
 
     def suffix_only_budget(self) -> int:
