@@ -361,7 +361,7 @@ def int_list(text: str) -> list[int]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="target (default: the packaged SmolLM2-135M)")
-    p.add_argument("--weights", choices=["auto", "gguf", "fp32", "bf16"], default="bf16",
+    p.add_argument("--weights", choices=["auto", "gguf", "gguf-exact", "fp32", "bf16"], default="bf16",
                    help="the server's --weights (default bf16)")
     p.add_argument("--systems", type=lambda t: [x for x in t.split(",") if x], default=["ours"],
                    help=f"comma-separated, of {', '.join(SYSTEMS)} (default ours)")
