@@ -106,9 +106,10 @@ def sample_two_after_first(dec: SpecDecoder, prompt: list[int], num: int):
     vocab = dec.target.config.vocab_size
     counts, via_suffix = torch.zeros(vocab, vocab), 0
     for _ in range(num):
-        dec.cache.truncate(saved[0])
-        dec.draft_cache.truncate(saved[0])
+        for cache in dec.caches:
+            cache.truncate(saved[0])
         dec.root, dec.head, dec.suffix = saved[1], saved[2], copy.deepcopy(saved[3])
+        dec.suffix_last = None
         tokens = []
         while len(tokens) < 2:
             step = dec.step()
@@ -217,19 +218,7 @@ def test_sampling_without_a_draft_is_lossless(target, reference):
     params = SamplingParams(temperature=1.0, seed=0)
     prompt = PROMPT + reference[:23]
     dec = SpecDecoder(target, None, target.new_cache(64), None, params, policy=draftless_policy(False))
-    t1 = dec.prefill(prompt, 8).tokens[0]
-    saved = (dec.cache.length, dec.root, copy.deepcopy(dec.suffix))
-    vocab = target.config.vocab_size
-    counts, via_suffix = torch.zeros(vocab, vocab), 0
-    for _ in range(600):
-        dec.cache.truncate(saved[0])
-        dec.root, dec.suffix, dec.suffix_last = saved[1], copy.deepcopy(saved[2]), None
-        tokens = []
-        while len(tokens) < 2:
-            step = dec.step()
-            tokens += step.tokens
-            via_suffix += step.accepted
-        counts[tokens[0], tokens[1]] += 1
+    t1, counts, via_suffix = sample_two_after_first(dec, prompt, 600)
     assert via_suffix > 150
     assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01
 
