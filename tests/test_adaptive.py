@@ -33,6 +33,7 @@ class Scripted:
     """A policy that takes the arms of `script` in turn (plain steps between trees, shape changes);
     SUFFIX_ONLY at a step where the suffix index has no match is a plain step."""
     suffix_only_tokens = 6
+    suffix_only_min_match = 2
     probe_due = False
 
     def __init__(self, script):

@@ -50,9 +50,8 @@ class Engine:
         if self.policy_factory is not None:                     # made now: their shapes size the caches
             self.policies = {greedy: self.policy_factory(greedy) for greedy in (True, False)}
             shapes += [s for p in self.policies.values() for s in p.shapes]
-        suffix_rows = max((p.suffix_only_tokens + 2 for p in self.policies.values()), default=1)
-        # verify block / draft tree / suffix-only block rows
-        slack = max(max((s.cache_slack for s in shapes), default=1), suffix_rows)
+        from ..speculative.decoder import cache_slack
+        slack = cache_slack(shapes, max((p.suffix_only_tokens for p in self.policies.values()), default=0))
         self.cache = target.new_cache(max_model_len + slack)
         self.draft_cache = draft.new_cache(max_model_len + slack) if draft is not None else None
         self.eos_ids = set(getattr(target.config, "eos_token_ids", ()) or ())

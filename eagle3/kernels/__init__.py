@@ -260,9 +260,12 @@ def _byte_records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tens
         raise ValueError(f"one digit: input width {in_features} is not a multiple of 32")
     groups, blocks = -(-out_features // QUANT_LANES), in_features // 32
     pad = groups * QUANT_LANES - out_features
+    if (kind, block) not in ZERO_POINT:
+        raise ValueError(f"one digit: kind {kind} with block {block} has no kernel (known: "
+                         f"{sorted(ZERO_POINT)} and kind 4 with block 32)")
     u = torch.nn.functional.pad(codes.to(torch.int64) + ZERO_POINT[kind, block], (0, 0, 0, pad))
     u = u.view(groups, QUANT_LANES, blocks, 32)                        # [group, lane, block, input]
-    scale_dtype = torch.float16 if torch.equal(scales.half().float(), scales) else torch.float32
+    scale_dtype = _scale_dtype([scales])
     per = 32 // block                                                 # scale vectors a record
     lanes = (torch.nn.functional.pad(scales, (0, 0, 0, pad)).to(scale_dtype)
              .view(groups, QUANT_LANES, blocks, per).permute(0, 2, 3, 1).contiguous()
@@ -281,6 +284,11 @@ def _byte_records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tens
     return recs.reshape(-1), scale_dtype.itemsize, recs.shape[-1]
 
 
+def _scale_dtype(factors: list) -> torch.dtype:
+    """fp16 where every scale (and offset) is exact in it, else fp32."""
+    return torch.float16 if all(torch.equal(f.half().float(), f) for f in factors) else torch.float32
+
+
 def _align(n: int) -> int:
     return -(-n // 64) * 64
 
@@ -292,8 +300,7 @@ def _records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tensor,
     groups, blocks = -(-out_features // QUANT_LANES), in_features // block
     pad = groups * QUANT_LANES - out_features
     factors = [scales] + ([offsets] if kind == 4 else [])
-    exact16 = all(torch.equal(f.half().float(), f) for f in factors)
-    scale_dtype = torch.float16 if exact16 else torch.float32
+    scale_dtype = _scale_dtype(factors)
     codes = torch.nn.functional.pad(codes, (0, 0, 0, pad))
     lanes = [torch.nn.functional.pad(f, (0, 0, 0, pad)).to(scale_dtype)
              .view(groups, QUANT_LANES, blocks).transpose(1, 2).contiguous().view(groups, blocks, -1)

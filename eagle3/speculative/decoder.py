@@ -123,7 +123,7 @@ class SpecDecoder:
     @property
     def slack(self) -> int:
         """Cache rows reserved past the output at prefill: the largest verify block or draft tree."""
-        return max(max((s.cache_slack for s in self.shapes), default=1), self.suffix_only_tokens + 2)
+        return cache_slack(self.shapes, self.suffix_only_tokens)
 
     @property
     def caches(self) -> tuple[KVCache, ...]:
@@ -204,7 +204,7 @@ class SpecDecoder:
         if self.suffix is None or not self.suffix_only_tokens:
             return []
         budget = self.suffix_only_budget()
-        shortest = getattr(self.policy, "suffix_only_min_match", 0)   # (scripted test policies lack it)
+        shortest = self.policy.suffix_only_min_match
         return first_cut([c.tokens for c in self.suffix.propose(budget) if c.match_len >= shortest], budget)
 
     def suffix_only_budget(self) -> int:
@@ -375,6 +375,12 @@ class SpecDecoder:
         out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],
                          logits_rows=slice(-1, None))
         self.head = DraftHead(out.logits[0, -1], out.hidden[0, -1])
+
+
+def cache_slack(shapes, suffix_only_tokens: int = 0) -> int:
+    """Cache rows past the output that speculation needs: the largest verify block or draft tree
+    of the shapes, or a suffix-only block with its root (the Engine sizes its caches by it)."""
+    return max(max((s.cache_slack for s in shapes), default=1), suffix_only_tokens + 2)
 
 
 def check_draft(draft: DraftBase, target, shapes) -> tuple[int, ...]:

@@ -81,7 +81,7 @@ SAMPLED_MEMORY = 0.97
 # a block starts at half DRAFTLESS_SUFFIX_TOKENS and grows to 4x it while a copy runs
 # (SpecDecoder.suffix_only_budget), and needs a match of DRAFTLESS_MIN_MATCH tokens (copy
 # workload, 16 x 256, T=0, SmolLM2 codes: 16 / 2 1.62x plain, 8 / 2 1.68x, 8 / 4 1.80x, 16 / 5 1.80x;
-# Qwen2.5-Coder-0.5B: 16 / 2 1.25x, 8 / 4 1.27x, 16 / 4 1.18x; one run each, docs/benchmarks.md)
+# Qwen2.5-Coder-0.5B: 16 / 2 1.25x, 8 / 4 1.27x, 16 / 4 1.18x; one run each, docs/bench.md)
 DRAFTLESS_SUFFIX_TOKENS = 8
 DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4
