@@ -24,9 +24,8 @@ from ..runtime.quant import quantize_q4
 from .model import DraftBase, DraftConfig, DraftOutput, Eagle3Draft, block_mask
 
 # A q4 draft's blocks of up to this many rows run the codes, larger ones the bf16 weights: the
-# one-byte integer dots cost half of bf16 on AMX at 1-4 rows and the same at 12 (SmolLM2's draft
-# forward at 200 cached tokens, 2 threads: 0.32 / 0.41 / 0.59 / 0.82 ms at 1 / 4 / 8 / 12 rows
-# against bf16's 0.66 / 0.73 / 0.79 / 0.82), where each block's float steps outweigh the bytes
+# one-byte integer dots beat bf16 on AMX at a few rows and draw level by 12 (SmolLM2's draft
+# forward, docs/kernels.md), where each block's float steps outweigh the bytes
 Q4_ROWS = 12
 
 

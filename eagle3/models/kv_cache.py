@@ -32,7 +32,7 @@ class KVCache:
         shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # each layer's views, made once (indexing them anew cost ~2 us a layer, every forward)
+        # each layer's views, made once (indexing them anew costs time in every forward)
         self._layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
         self.max_len = max_len
         self.length = 0

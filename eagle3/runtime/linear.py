@@ -1,7 +1,7 @@
 """PackedLinear: y = x W^T + b with the weight stored once in each layout its backend calls.
 
-Measured (SmolLM2 shapes, 2 threads; scripts/bench_kernels.py, docs/bench.md): the eagle3 small-M
-kernel is ~1.6-2x oneDNN's speed for 1-8 rows and ~1.1-1.3x at 16-32, oneDNN with a prepacked weight
+On the SmolLM2 shapes (tools/bench_kernels.py; figures in docs/kernels.md) the eagle3 small-M
+kernel beats oneDNN for small blocks and matches it near 32 rows, oneDNN with a prepacked weight
 beats torch's x @ W.T from 2 rows on, and torch's GEMV over an [in, out] weight is fine for one row
 on one thread. Verify forwards have several rows, decode forwards one, so a PackedLinear keeps the
 layouts its backend needs and picks by rows: blocks of up to `backend.kernel_rows` rows go to the
@@ -54,7 +54,7 @@ class PackedLinear:
         self.small_dtype = torch.float32 if self.quant_types else self.weight_dtype   # codes take fp32
         # codes capped below SMALL_ROWS (a q4 draft's backend.row_cap): the blocks past the cap and
         # up to SMALL_ROWS take the weight dtype's small-M kernel (bf16 on AMX: at 16 rows a q4
-        # draft forward 0.88 ms there against 1.33 on oneDNN and 0.95 on the codes)
+        # draft forward is faster there than on oneDNN or on the codes)
         self.mid = None
         if self.quant_types and self.small_rows < SMALL_ROWS and self.weight_dtype == torch.bfloat16:
             kernel, _ = self._dtype_kernel()
