@@ -1,5 +1,5 @@
 """Serving throughput and latency of `eagle3 serve` (and vLLM's OpenAI server) under concurrent
-streaming clients (issues #18, #21).
+streaming clients.
 
     python scripts/bench_serving.py [--model M] [--weights bf16|fp32|gguf|auto] [--max-batch 1,8]
         [--systems ours,ours-eagle3,vllm,vllm-eagle3] [--clients 1,4,16] [--tokens 128]

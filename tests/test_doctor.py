@@ -217,7 +217,7 @@ def test_custom_ids_only_in_eagle_config_are_dropped_by_llama_cpp_and_vllm(tmp_p
 
 
 def test_vllm_runs_a_specforge_draft_one_layer_early(tmp_path, target_dir, target):
-    """#21: a SpecForge-layout draft (ids only in eagle_config, output numbering) trained on the
+    """A SpecForge-layout draft (ids only in eagle_config, output numbering) trained on the
     defaults [2, 4, 5]: vLLM takes eagle_config [1, 3, 4] raw and captures one layer early."""
     draft_dir = write_draft(tmp_path, copy_draft(target), "d", target=target,
                             edit=lambda c: c.pop("eagle_aux_hidden_state_layer_ids"))

@@ -115,7 +115,7 @@ def test_vllm_dotted_old_and_broken_spellings():
 
 
 def test_vllm_reads_a_lone_eagle_config_raw():
-    """A SpecForge draft with custom ids only in eagle_config: vLLM takes them as input ids (#21)."""
+    """A SpecForge draft with custom ids only in eagle_config: vLLM takes them as input ids."""
     custom = DraftFacts("eagle3", (4, 16, 30), 128256, 32000, {
         "draft_vocab_size": 32000, "num_hidden_layers": 1,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [3, 15, 29]}})
@@ -162,7 +162,7 @@ def specforge_dir(tmp_path, ids) -> str:
 
 
 def test_vllm_fails_a_specforge_draft_one_layer_early(tmp_path):
-    """#21: trained on inputs [2, 15, 27] (stored [1, 14, 26]); vLLM 0.32-0.33 captures [1, 14, 26]."""
+    """Trained on inputs [2, 15, 27] (stored [1, 14, 26]); vLLM 0.32-0.33 captures [1, 14, 26]."""
     draft = specforge_dir(tmp_path, [1, 14, 26])
     line = ("vllm serve TARGET --speculative-config "
             f"'{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}'")

@@ -90,7 +90,7 @@ def test_where_each_engine_reads_the_ids():
     both = {**specforge, IDS_KEY: [2, 15, 27]}                  # our specforge export
     defaults = default_capture_ids(30)
     assert engine_reading(SGLANG, specforge, defaults).ids == (2, 15, 27)       # +1
-    assert engine_reading(VLLM, specforge, defaults).ids == (1, 14, 26)         # raw (#21)
+    assert engine_reading(VLLM, specforge, defaults).ids == (1, 14, 26)         # raw
     assert engine_reading(ENGINES["llama.cpp"], specforge, defaults).ids == defaults
     for engine in ENGINES.values():
         if "specforge" in engine.layouts and engine.reads:

@@ -83,7 +83,7 @@ def test_export_main_writes_both_layouts(target, target_dir, tmp_path, capsys):
     assert rc == 0
     sf, sp = config_of(tmp_path / "out/specforge"), config_of(tmp_path / "out/speculators")
     assert sf["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert sf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # else vLLM reads eagle_config raw (#21)
+    assert sf["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]  # else vLLM reads eagle_config raw
     assert sp["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert sp["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
     assert sp["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)

@@ -1,5 +1,5 @@
 """Building the kernels: ninja without PATH, unwritable caches, stale locks, the cache key, the bf16
-target attributes and the first-build message (issue #15, item 9)."""
+target attributes and the first-build message."""
 import fcntl
 import os
 import re

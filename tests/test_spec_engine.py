@@ -149,7 +149,7 @@ def test_stop_token_inside_accepted_draft_tokens(target, reference):
 @pytest.mark.parametrize("temperature", [1e-300, 1e-38, 1e-6])
 def test_tiny_temperature_decodes_greedily(target, reference, temperature):
     """`logits / T` overflows below T ~ 1e-38: such temperatures take the greedy path in plain
-    decoding, in the speculative decoder's root draw and in its verifier (issue #15)."""
+    decoding, in the speculative decoder's root draw and in its verifier."""
     params = SamplingParams(temperature=temperature, max_new_tokens=40, ignore_eos=True, seed=0)
     assert params.greedy and not SamplingParams(temperature=1e-4).greedy
     plain = Engine(target, StubTokenizer(), max_model_len=100)

@@ -1,4 +1,4 @@
-"""OpenMP wait policy and thread count (issue #15, item 10): set before torch loads, shown in info."""
+"""OpenMP wait policy and thread count: set before torch loads, shown in info."""
 import json
 import os
 import subprocess

@@ -1,4 +1,4 @@
-"""vLLM as a bench peer (issue #21) without vLLM: scripts/vllm_env.sh against a stub python, the
+"""vLLM as a bench peer without vLLM: scripts/vllm_env.sh against a stub python, the
 vllm-* systems' child process (the real eagle3/bench/vllm_child.py) against a fake `vllm` package, the
 skip when the vLLM python is missing, and the draft export handed to vLLM."""
 from __future__ import annotations

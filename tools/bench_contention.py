@@ -1,4 +1,4 @@
-"""Plain decoding tok/s on a quiet machine and with one busy process, in the same run (issue #15).
+"""Plain decoding tok/s on a quiet machine and with one busy process, in the same run.
 
     python tools/bench_contention.py [--model M] [--weights bf16|fp32] [--tokens 128]
                                        [--threads 2] [--reps 3]

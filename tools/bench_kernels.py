@@ -1,4 +1,4 @@
-"""Micro-benchmark of eagle3.kernels against what they replace (issue #5): the small-M linear
+"""Micro-benchmark of eagle3.kernels against what they replace: the small-M linear
 (oneDNN prepacked, fp32 and bf16) on SmolLM2's shapes, the fused RMSNorm (F.rms_norm) and the
 row-stable attention (fp64 row_stable_attention, SDPA for reference).
 

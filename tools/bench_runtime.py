@@ -1,4 +1,4 @@
-"""Runtime micro-benchmark (issue #2): one forward appending k tokens to a 200-token cache, this
+"""Runtime micro-benchmark: one forward appending k tokens to a 200-token cache, this
 runtime vs HF transformers in the same run, and plain greedy tokens/s of both.
 
     python tools/bench_runtime.py [--threads 2] [--reps 10] [--new-tokens 64] [--clock wall|cpu]

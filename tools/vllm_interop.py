@@ -1,4 +1,4 @@
-"""vLLM as the proof of our export (issue #21; not a CI test).
+"""vLLM as the proof of our export (not a CI test).
 
 Exports the shipped draft in both layouts vLLM loads (speculators, SpecForge), serves each in vLLM
 (the vLLM venv of bash scripts/vllm_env.sh, through the bench's vllm child process) with a chain of

@@ -1,4 +1,4 @@
-"""Does our doctor predict what vLLM really does with an EAGLE draft? (issue #21; not a CI test)
+"""Does our doctor predict what vLLM really does with an EAGLE draft? (not a CI test)
 
 For each case the doctor models (eagle3/engines.py, eagle3/doctor/launch.py: ids at the top level, ids
 only in eagle_config, the speculators layout named in --speculative-config or served directly with
