@@ -48,7 +48,7 @@ def test_selection_round_robins_over_categories():
     assert len({q.question_id for q in select_questions(qs, 100)}) == len(qs)
 
 
-COPY_PER_CATEGORY = 8          # docs/bench.md: 40 prompts, 8 in each of the 5 categories
+COPY_PER_CATEGORY = 8          # docs/benchmarks.md: 40 prompts, 8 in each of the 5 categories
 RUNS = Path(__file__).resolve().parent.parent / "runs"
 
 

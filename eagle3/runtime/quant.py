@@ -72,7 +72,7 @@ def quantize_q4(weight: torch.Tensor) -> QuantCodes:
     block of 32 inputs w ~ d * c + m with m the block's least value, d its range / 15 (both fp16
     where they fit, so the packed records are GGUF-sized) and c = round((w - m) / d) in 0..15.
     int8_inputs: the kernel rounds each block of inputs to one byte too. A draft only proposes
-    tokens, so this changes acceptance, never the output (MT-bench tau unchanged: docs/bench.md)."""
+    tokens, so this changes acceptance, never the output (MT-bench tau unchanged: docs/results/)."""
     out_features, in_features = weight.shape
     if in_features % 32:
         raise ValueError(f"quantize_q4: input width {in_features} is not a multiple of 32")
