@@ -92,10 +92,8 @@ def environment_text() -> str:
     """`eagle3 info`'s last block: every EAGLE3_* variable (eagle3.settings) and its value here."""
     from .settings import current
     rows = current()
-    width = max(len(name) for name, _, _ in rows)
-    return "\n".join(["environment (docs/configuration.md):"] +
-                     [f"  {name:<{width}}  {value}" + ("" if how == "set" else " (default)")
-                      for name, value, how in rows])
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["environment (docs/configuration.md):"] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
 
 def build_parser() -> argparse.ArgumentParser:

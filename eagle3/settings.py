@@ -32,6 +32,7 @@ class Variable:
     readers: tuple[str, ...]
     switch: bool = False  # on/off: read with enabled() (default "1": "0" turns it off; default
                           # "0": "1" turns it on)
+    secret: bool = False  # `eagle3 info` says whether it is set, never its value
 
     @property
     def scope(self) -> str:
@@ -60,7 +61,8 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EAGLE3_MALLOC", ON, "eagle3.tune_process() raises glibc's mmap and trim thresholds "
              "(0: the C library's defaults)", ("eagle3.memory",), switch=True),
     Variable("EAGLE3_API_KEY", "", "default of --api-key: the key `eagle3 serve` requires and "
-             "`eagle3 doctor --server` sends (unset: none)", ("eagle3.serve.cli", "eagle3.doctor")),
+             "`eagle3 doctor --server` sends (unset: none)", ("eagle3.serve.cli", "eagle3.doctor"),
+             secret=True),
     Variable("EAGLE3_VLLM_PYTHON", "", "python of the vLLM venv for the bench's vLLM peers (unset: "
              ".venv-vllm/bin/python in the repository root)",
              ("eagle3.bench.vllm_peer", "scripts/vllm_interop.py", "scripts/vllm_specconfig_check.py",
@@ -108,10 +110,13 @@ def set_for_process(values: Mapping[str, bool], environ: MutableMapping[str, str
         environ[name] = ON if on else OFF
 
 
-def current(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str, str]]:
-    """(name, value in effect, "set" | "default") of every variable, for `eagle3 info`."""
-    return [(v.name, env(v.name, environ) or "(unset)", "set" if environ.get(v.name) else "default")
-            for v in VARIABLES.values()]
+def current(environ: Mapping[str, str] = os.environ) -> list[tuple[str, str]]:
+    """(name, the value in effect in words) of every variable, for `eagle3 info`."""
+    def shown(v: Variable) -> str:
+        if environ.get(v.name):
+            return "set (not shown)" if v.secret else environ[v.name]
+        return f"{v.default} (default)" if v.default else "unset"
+    return [(v.name, shown(v)) for v in VARIABLES.values()]
 
 
 def markdown(scope: Optional[str] = None) -> str:

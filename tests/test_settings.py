@@ -111,6 +111,8 @@ def test_info_lists_the_environment(monkeypatch):
     assert all(name in text for name in settings.VARIABLES)
     assert re.search(r"EAGLE3_CACHE +/tmp/somewhere$", text, re.M)
     assert re.search(r"EAGLE3_VNNI +1 \(default\)$", text, re.M)
+    monkeypatch.setenv("EAGLE3_API_KEY", "sk-secret")
+    assert "sk-secret" not in environment_text() and "EAGLE3_API_KEY" in environment_text()
 
 
 # ---------------------------------------------------------------------------- import changes nothing
