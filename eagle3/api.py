@@ -1,19 +1,18 @@
 """One call from names to a ready Engine: resolve the target, the draft and the tree shape."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from .config import DRAFT_WEIGHT_CHOICES, GGUF_CHOICES, REFERENCE, WEIGHT_CHOICES, RunConfig, use
 from .errors import InputError
 from .memory import freeze_loaded
 from .generate import Engine
 
 WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-WEIGHT_CHOICES = ("auto", "gguf", "gguf-exact", "fp32", "bf16")
-GGUF_CHOICES = ("gguf", "gguf-exact")
-DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
 SHIPPED_DRAFTS = Path(__file__).parent / "drafts"
 SUFFIX_ONLY_DRAFT = "suffix"   # draft=: no draft model, suffix-only blocks under the adaptive step
 DEFAULT_DRAFT = SHIPPED_DRAFTS / "smollm2-135m-eagle3"
@@ -98,14 +97,17 @@ def resolve_weights(weights: str, source=None, native_cpu: bool = True) -> str:
 def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "auto", source=None):
     """The inference layouts (runtime.target / draft.inference) of a native target and a draft,
     built once from their weights, which are left as they are; (target, draft). Targets the layout
-    does not cover (the generic HF adapter) are returned as they are. `weights`/`draft_weights` as
-    in load_engine; source: the target's runtime.loader.ModelSource (weights gguf/auto read it)."""
+    does not cover (the generic HF adapter) are returned as they are, and so is a model whose
+    choice is "reference". `weights`/`draft_weights` as RunConfig's fields; source: the target's
+    runtime.loader.ModelSource (weights gguf/auto read it)."""
     from .draft.inference import build_draft_layout
     from .models.llama import LlamaModel
     from .runtime.target import build_target
     native_cpu = isinstance(target, LlamaModel) and target.device.type == "cpu"
-    weights = resolve_weights(weights, source, native_cpu)
-    if weights in GGUF_CHOICES:
+    weights = REFERENCE if weights == REFERENCE else resolve_weights(weights, source, native_cpu)
+    if weights == REFERENCE:
+        pass
+    elif weights in GGUF_CHOICES:
         codes = gguf_codes(target, source, one_byte_inputs=weights == "gguf")
         # without the kernels the codes have nothing to run on: the fp32 layout is the same model
         target = (build_target(target, torch.float32, row_stable=True, gguf=codes) if codes is not None
@@ -113,7 +115,7 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
     elif isinstance(target, LlamaModel):
         # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
         target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
-    if draft is not None:
+    if draft is not None and draft_weights != REFERENCE:
         choice = resolve_draft_weights(draft_weights, draft) if draft.device.type == "cpu" else "fp32"
         dtype = draft_weight_dtype("auto") if choice == "q4" else WEIGHT_DTYPES[choice]  # q4: past its rows
         draft = build_draft_layout(draft, dtype, quantize=choice == "q4")
@@ -173,51 +175,80 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     return make
 
 
-def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None,
-                device: Optional[str] = None, dtype: torch.dtype = torch.float32,
-                max_model_len: int = 2048, algorithm: Optional[str] = None,
-                pack: bool = True, weights: str = "auto", draft_weights: str = "auto",
-                adaptive: bool = True) -> Engine:
-    """model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (the shipped draft
+def run_config(config: Optional[RunConfig] = None, *, device: Optional[str] = None,
+               weights: Optional[str] = None, draft_weights: Optional[str] = None,
+               pack: Optional[bool] = None) -> RunConfig:
+    """The RunConfig load_engine runs: `config` (None: RunConfig(), the defaults and the
+    environment's switches) with each keyword that is given in place of its field. pack=False:
+    both models as their reference modules (weights "reference"), so only weights fp32/auto go
+    with it."""
+    config = config or RunConfig()
+    given = {k: v for k, v in (("device", device), ("weights", weights), ("draft_weights", draft_weights))
+             if v is not None}
+    if pack is False:
+        if given.get("weights", "auto") not in ("fp32", "auto", REFERENCE):
+            raise InputError(f"weights={given['weights']!r} needs the inference layout (pack=True)")
+        given.update(weights=REFERENCE, draft_weights=REFERENCE)
+    return replace(config, **given) if given else config
+
+
+def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None, *,
+                config: Optional[RunConfig] = None, max_model_len: int = 2048,
+                algorithm: Optional[str] = None, adaptive: bool = True,
+                device: Optional[str] = None, weights: Optional[str] = None,
+                draft_weights: Optional[str] = None, pack: Optional[bool] = None) -> Engine:
+    """A ready Engine for `model` and `draft`, run as `config` says (eagle3.config.RunConfig: the
+    target's and the draft's weights, device, threads, the backend switches; None: the defaults).
+    device / weights / draft_weights / pack: shorthands for those fields (`run_config`), kept for
+    callers that set one or two; given, they win over `config`'s.
+
+    model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (the shipped draft
     for the default model; for any other model suffix-only speculation: the suffix index's
     continuations over the prompt and output verified as blocks, where the adaptive step says they
     pay), "suffix" (that, for any model), None/"none" (plain decoding), or a draft checkpoint
-    directory.
+    directory. Both are loaded in fp32, then laid out for inference from those weights.
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
-    contract is checked here, before anything runs). pack: run the inference layouts built from the
-    weights (runtime.target, draft.inference); False runs the reference modules.
-    weights: "fp32" (exact: matches the fp32 checkpoint / HF transformers, and greedy speculation is
-    token-identical to plain decoding) or "bf16" (target GEMM weights in bf16 on CPUs with oneDNN:
-    faster forwards, logits within ~1% of fp32; the target is then packed row-stable, so a verify
-    block and one-token decode give bit-identical logits and speculation stays lossless against
-    bf16 plain decoding; without that an 8-row verify and single-token decode were up to 0.31
-    apart and greedy outputs diverged). draft_weights: the draft's GEMM weights on CPU, "auto" (bf16 where
-    oneDNN has bf16 kernels, else fp32), "bf16" or "fp32". The draft only proposes tokens, so its
-    precision changes acceptance, never the output: speculation stays lossless either way.
+    contract is checked here, before anything runs).
+    weights (the target): "auto" (default: "gguf" for a GGUF target run natively on the CPU, else
+    "fp32"); "gguf" (the file's own quantized codes on the kernels, each block of 32 inputs rounded
+    to one byte where the CPU has AVX512-VNNI, as llama.cpp runs the file) or "gguf-exact" (the
+    same codes against exact inputs); "fp32" (exact: matches the fp32 checkpoint / HF transformers,
+    and greedy speculation is token-identical to plain decoding); "bf16" (target GEMM weights in
+    bf16: faster forwards, logits within ~1% of fp32; the target is then packed row-stable, so a
+    verify block and one-token decode give bit-identical logits and speculation stays lossless
+    against bf16 plain decoding; without that an 8-row verify and single-token decode were up to
+    0.31 apart and greedy outputs diverged); "reference" (pack=False: the modules as loaded, no
+    inference layout). draft_weights: the draft's weights on CPU, "auto" (q4 where the kernels run
+    integer dot products, else bf16 where oneDNN has bf16 kernels, else fp32: resolve_draft_weights),
+    "q4", "bf16", "fp32" or "reference"; a draft off the CPU runs fp32. The draft only proposes
+    tokens, so its precision changes acceptance, never the output: speculation stays lossless
+    either way.
     spec / adaptive: a SpecParams fixes the tree shape of every step; with spec None and adaptive
     (the default) each step takes the shape the adaptive policy picks from the machine's measured
-    costs and the rolling acceptance (speculative.policy), plain decoding included."""
-    dev = pick_device(device)
-    target, tokenizer = load_target(model, dev, dtype)
+    costs (config.remeasure: measured again) and the rolling acceptance (speculative.policy), plain
+    decoding included."""
+    config = run_config(config, device=device, weights=weights, draft_weights=draft_weights, pack=pack)
+    use(config)             # threads, and the backend switches the environment does not say
+    dev = pick_device(config.device)
+    target, tokenizer = load_target(model, dev, torch.float32)
     draft_path = default_draft_path(model) if draft == "default" else (
         None if draft in (None, "", "none", SUFFIX_ONLY_DRAFT) else Path(draft))
     drafter = None
     if draft_path is not None:
         from .draft.contract import check_pair
         from .draft.formats import load_draft
-        loaded = load_draft(draft_path, target.config, algorithm=algorithm, device=dev, dtype=dtype,
-                            target=target)
+        loaded = load_draft(draft_path, target.config, algorithm=algorithm, device=dev,
+                            dtype=torch.float32, target=target)
         check_pair(target.config, loaded.draft, algorithm, target, loaded.info)
         drafter = loaded.draft.requires_grad_(False)
-    if pack:
+    if config.packed_target or (config.packed_draft and drafter is not None):
         from .runtime.loader import resolve_model
-        target, drafter = build_layouts(target, drafter, weights, draft_weights, resolve_model(model))
-    elif weights not in ("fp32", "auto"):
-        raise InputError(f"weights={weights!r} needs the inference layout (pack=True)")
+        target, drafter = build_layouts(target, drafter, config.weights, config.draft_weights,
+                                        resolve_model(model))
     policy = None
     if spec is None and adaptive and (drafter is not None or draft in ("default", SUFFIX_ONLY_DRAFT)):
         # a target no draft is shipped for still speculates: suffix-only blocks (draft=None)
-        policy = adaptive_policy(target, drafter)
+        policy = adaptive_policy(target, drafter, remeasure=config.remeasure)
     engine = Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=max_model_len,
                     policy=policy)
     freeze_loaded()     # the garbage collector's passes then skip the loaded engine's objects

@@ -10,7 +10,7 @@ import importlib
 import sys
 from typing import Optional
 
-from .cli_args import add_spec_args, spec_from_args
+from .cli_args import add_run_args, add_spec_args, run_config_from_args, spec_from_args
 from .errors import Eagle3Error
 
 DELEGATED = {  # subcommand -> (module, function, help)
@@ -25,9 +25,8 @@ DELEGATED = {  # subcommand -> (module, function, help)
 def generate_cmd(args: argparse.Namespace) -> int:
     from .api import load_engine
     from .generate import SamplingParams
-    engine = load_engine(args.model, args.draft, spec_from_args(args), args.device,
-                         max_model_len=args.max_model_len, algorithm=args.algorithm,
-                         weights=args.weights, draft_weights=args.draft_weights)
+    engine = load_engine(args.model, args.draft, spec_from_args(args), config=run_config_from_args(args),
+                         max_model_len=args.max_model_len, algorithm=args.algorithm)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k,
                             seed=args.seed, max_new_tokens=args.max_new_tokens,
                             stop=tuple(args.stop or ()))
@@ -85,7 +84,16 @@ def info_cmd(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+    print(environment_text())
     return 0
+
+
+def environment_text() -> str:
+    """`eagle3 info`'s last block: every EAGLE3_* variable (eagle3.settings) and its value here."""
+    from .settings import current
+    rows = current()
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(["environment (docs/configuration.md):"] + [f"  {name:<{width}}  {value}" for name, value in rows])
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -95,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt")
     g.add_argument("--model", default=None, help="target: .gguf, HF dir, or default SmolLM2")
     add_spec_args(g)
+    add_run_args(g)
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -102,10 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     g.add_argument("--max-model-len", type=int, default=2048)
     g.set_defaults(func=generate_cmd)
-    i = sub.add_parser("info", help="architecture, layers, hidden, vocab, default capture ids")
+    i = sub.add_parser("info", help="architecture, layers, hidden, vocab, default capture ids; this "
+                       "machine's backends; the EAGLE3_* environment")
     i.add_argument("model", nargs="?", default=None)
     i.set_defaults(func=info_cmd)
     for name, (_, _, help_text) in DELEGATED.items():
@@ -115,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    from . import tune_process
+    tune_process()      # first: OpenMP reads its wait policy when torch loads (nothing above imports it)
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         module, func, _ = DELEGATED[argv[0]]

@@ -1,7 +1,11 @@
-"""Argument groups shared by the entry points (eagle3 generate, serve, bench): one definition each."""
+"""Argument groups shared by the entry points (eagle3 generate, serve, bench): one definition each,
+and the one place a RunConfig is built from flags (run_config_from_args). docs/configuration.md
+lists them (tests/test_settings.py checks it)."""
 from __future__ import annotations
 
 import argparse
+
+from .config import DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES, RunConfig
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -27,12 +31,12 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "machine's measured costs and the rolling acceptance; fixed: every step drafts "
                         "one shape (the default 4/5/8, or the one the tree flags give; any tree flag "
                         "implies fixed)")
-    add_precision_args(p)
 
 
-def add_precision_args(p: argparse.ArgumentParser) -> None:
-    """--weights / --draft-weights (generate, serve, bench)."""
-    p.add_argument("--weights", choices=["auto", "gguf", "gguf-exact", "fp32", "bf16"], default="auto",
+def add_run_args(p: argparse.ArgumentParser) -> None:
+    """--weights / --draft-weights / --device / --threads: RunConfig's fields (generate, serve,
+    bench); the backend switches come from the environment (eagle3.settings)."""
+    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
                    help="target weights on CPU: gguf (a GGUF target's own quantized codes on the "
                         "kernels, in the fewest bytes; where the CPU has AVX512-VNNI each block of 32 "
                         "inputs is rounded to one byte for integer dot products, as llama.cpp runs the "
@@ -41,11 +45,20 @@ def add_precision_args(p: argparse.ArgumentParser) -> None:
                         "weights; matches HF transformers), bf16 (a different model numerically; "
                         "verify and decode stay bit-identical, so speculation stays lossless); auto "
                         "(default): gguf for a GGUF target, else fp32")
-    p.add_argument("--draft-weights", choices=["auto", "q4", "bf16", "fp32"], default="auto",
+    p.add_argument("--draft-weights", choices=DRAFT_WEIGHT_CHOICES, default="auto",
                    help="draft weights on CPU: q4 (4-bit blocks quantized at load, one-byte inputs, "
                         "on the kernels' integer dot products: ~2x faster draft forwards), bf16, fp32; "
                         "auto: q4 where it runs, else bf16 where oneDNN supports it, else fp32. The "
                         "draft only proposes, so the output is the same either way")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads (default: the cores this process may use; bench: for every system)")
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The run's configuration: the flags of add_run_args, and the environment's switches."""
+    return RunConfig(weights=args.weights, draft_weights=args.draft_weights, device=args.device,
+                     threads=args.threads)
 
 
 SHAPE_FLAGS = ("top_k", "depth", "num_draft_tokens", "min_prob", "suffix_tokens")

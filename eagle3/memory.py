@@ -11,7 +11,8 @@ aggregate at 16 clients ~8-12% higher (tests/test_memory.py checks the faults, d
 figures). vLLM's CPU guide asks for tcmalloc through LD_PRELOAD for the same reason; this needs no
 install. The cost: up to TRIM_THRESHOLD of freed memory stays mapped.
 
-`tune()` runs once at `import eagle3` (eagle3/__init__.py). It leaves the allocator alone where
+`tune()` runs once a process from eagle3.tune_process() (the `eagle3` command and the server call
+it; `import eagle3` alone does not). It leaves the allocator alone where
 the user chose (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ set, another
 allocator in LD_PRELOAD, EAGLE3_MALLOC=0) or where the C library is not glibc.
 """
@@ -20,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import os
 from typing import Mapping, Optional
+
+from . import settings
 
 MMAP_THRESHOLD = 64 << 20     # blocks below this come from the heap (model weights stay mmapped)
 TRIM_THRESHOLD = 256 << 20    # free heap kept before returning memory to the kernel
@@ -32,7 +35,7 @@ _STATE: Optional[str] = None
 def tune(environ: Mapping[str, str] = os.environ) -> str:
     """Apply the thresholds unless the user chose otherwise; what is in effect, in words."""
     global _STATE
-    if environ.get("EAGLE3_MALLOC", "1") == "0":
+    if not settings.enabled("EAGLE3_MALLOC", environ):
         _STATE = "the C library's defaults (EAGLE3_MALLOC=0)"
     elif any(environ.get(k) for k in USER_KEYS):
         _STATE = "set by the user (" + ", ".join(k for k in USER_KEYS if environ.get(k)) + ")"
@@ -50,9 +53,14 @@ def tune(environ: Mapping[str, str] = os.environ) -> str:
     return _STATE
 
 
+def tune_once() -> str:
+    """tune() unless it ran already in this process; what is in effect."""
+    return _STATE or tune()
+
+
 def describe() -> str:
     """One line for `eagle3 info`."""
-    return _STATE or "not set (eagle3.memory.tune() has not run)"
+    return _STATE or "the C library's defaults (eagle3.tune_process() was not called)"
 
 
 def _glibc() -> Optional[ctypes.CDLL]:

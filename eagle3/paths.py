@@ -7,11 +7,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+from . import settings
+
 
 def cache_root() -> Path:
     """$EAGLE3_CACHE, else ~/.cache/eagle3; without a home directory, a temp dir (said once)."""
-    if os.environ.get("EAGLE3_CACHE"):
-        return Path(os.environ["EAGLE3_CACHE"]).expanduser()
+    if settings.env("EAGLE3_CACHE"):
+        return Path(settings.env("EAGLE3_CACHE")).expanduser()
     home = os.path.expanduser("~")
     if home.startswith("~"):   # HOME unset and no passwd entry: "~" would be a relative path
         return _no_home_cache(Path(tempfile.gettempdir()) / f"eagle3-{os.getuid()}")

@@ -16,8 +16,9 @@ No wait policy serves both: a decode step is ~200 short parallel regions, so sle
 running. So eagle3 spins briefly (GOMP_SPINCOUNT=30000 unless the user set it or
 OMP_WAIT_POLICY) and the ThreadGovernor below drops to one thread while two run slower than one
 (a core is taken), probing two again with exponential back-off. libgomp reads its settings once,
-when it loads at `import torch`, so eagle3/__init__.py calls install() before anything imports
-torch; the kernels' extension uses torch's libgomp (one runtime, one setting).
+when it loads at `import torch`, so eagle3.tune_process() calls install() before anything imports
+torch (the `eagle3` command and the server call it first); the kernels' extension uses torch's
+libgomp (one runtime, one setting). `import eagle3` alone sets nothing.
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ import time
 from pathlib import Path
 from typing import MutableMapping, NamedTuple, Optional
 
+from . import settings
+
 DEFAULT_SPINCOUNT = "30000"
 
 
@@ -36,7 +39,7 @@ class ThreadSetup(NamedTuple):
     source: str             # who chose it
 
 
-_SETUP: Optional[ThreadSetup] = None     # what configure() found at import; read by describe()
+_SETUP: Optional[ThreadSetup] = None     # what install() found; read by describe()
 
 
 def configure(environ: MutableMapping[str, str] = os.environ,
@@ -57,21 +60,31 @@ def configure(environ: MutableMapping[str, str] = os.environ,
 def describe() -> str:
     """One line for `eagle3 info`: thread count, wait policy, the governor."""
     import torch
-    setup = _SETUP or ThreadSetup("unknown", "unknown")
+    setup = _SETUP or untuned()
     governed = "on" if governor_enabled() else "off (EAGLE3_THREAD_GOVERNOR=0)"
     return (f"{torch.get_num_threads()} (torch.get_num_threads), {setup.wait_policy} ({setup.source}); "
             f"governor {governed}: 1 thread while a busy core makes {torch.get_num_threads()} slower")
 
 
-def install() -> None:
-    """Called once from eagle3/__init__.py."""
+def install() -> str:
+    """Once a process (eagle3.tune_process); what is in effect, in words."""
     global _SETUP
     if _SETUP is None:
         _SETUP = configure()
+    return f"{_SETUP.wait_policy} ({_SETUP.source})"
+
+
+def untuned() -> ThreadSetup:
+    """What describe() says where install() has not run."""
+    for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"):
+        if os.environ.get(key):
+            return ThreadSetup(f"{key}={os.environ[key].upper()}", "set in the environment")
+    return ThreadSetup("OpenMP's default (spin 300000, then sleep)",
+                       "eagle3.tune_process() was not called")
 
 
 def governor_enabled() -> bool:
-    return os.environ.get("EAGLE3_THREAD_GOVERNOR", "1") != "0"
+    return settings.enabled("EAGLE3_THREAD_GOVERNOR")
 
 
 # ---------------------------------------------------------------------------- one thread computes

@@ -22,6 +22,7 @@ from eagle3.bench.systems import GenParams, HFSystem, build_ours, cut_at_stop
 from eagle3.bench.tune import costs_text, parse_shapes, tune, tune_text
 from eagle3.bench.workload import (COPY_CATEGORIES, BenchPrompt, Question, load_questions,
                                    load_workload, select_questions, workload_questions)
+from eagle3.config import RunConfig
 from eagle3.errors import InputError
 from eagle3.runtime.target import build_target
 from eagle3.generate import Engine
@@ -210,7 +211,7 @@ def harness(one_thread):  # noqa: F811
     gen = torch.Generator().manual_seed(0)
     prompts = [BenchPrompt(10 + i, "cat", "t", tuple(torch.randint(3, 32, (6 + i,), generator=gen)
                                                       .tolist()), "t", i) for i in range(3)]
-    cfg = BenchConfig(prompts=3, max_new_tokens=12, temperatures=(0.0, 1.0), threads=1)
+    cfg = BenchConfig(prompts=3, max_new_tokens=12, temperatures=(0.0, 1.0), run=RunConfig(threads=1))
     return cfg, tiny_setup(systems, prompts)
 
 

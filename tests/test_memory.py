@@ -10,7 +10,9 @@ import pytest
 from eagle3 import memory
 
 FAULTS = """
-import resource, threading, torch, eagle3
+import resource, threading, eagle3
+eagle3.tune_process()
+import torch
 from eagle3 import memory
 from eagle3.sampling import SamplingParams, sample_each
 params = [SamplingParams(temperature=1.0, seed=i) for i in range(16)]

@@ -230,7 +230,7 @@ def test_load_engine_speculates_without_a_draft_where_none_is_shipped(monkeypatc
     from spec_helpers import StubTokenizer
     tiny = tiny_target(2, vocab=8)
     monkeypatch.setattr(api, "load_target", lambda model, dev, dtype: (tiny, StubTokenizer()))
-    monkeypatch.setattr(api, "adaptive_policy", lambda target, draft: (lambda greedy=True: draftless_policy(greedy)))
+    monkeypatch.setattr(api, "adaptive_policy", lambda target, draft, **kw: (lambda greedy=True: draftless_policy(greedy)))
     assert api.load_engine("some-model", pack=False).speculative
     assert api.load_engine("some-model", draft="suffix", pack=False).speculative
     assert not api.load_engine("some-model", draft="none", pack=False).speculative

@@ -39,12 +39,31 @@ def _openmp_settings(code: str, **env_vars: str) -> str:
 def test_an_eagle3_process_spins_briefly():
     """Long spins cost far more than the core they wait for when another process has it; no spin
     at all costs ~40% on a quiet machine (threads.py): eagle3 spins 30000 rounds, then sleeps."""
-    err = _openmp_settings("import eagle3.cli, torch; torch.ones(4).sum()")
+    err = _openmp_settings(ENTRY)
     assert "GOMP_SPINCOUNT = '30000'" in err
 
 
+# the `eagle3` command as its console script runs it: import eagle3.cli, call main (--help: it
+# stops after the tuning, before anything imports torch), then torch loads
+ENTRY = """
+import sys, eagle3.cli
+assert "torch" not in sys.modules, "importing the CLI imported torch: OpenMP read its settings too early"
+try:
+    eagle3.cli.main(["--help"])
+except SystemExit:
+    pass
+import torch; torch.ones(4).sum()
+"""
+
+
+def test_importing_eagle3_leaves_openmp_alone():
+    """`import eagle3` sets nothing: OpenMP keeps its defaults until an entry point tunes it."""
+    err = _openmp_settings("import eagle3.cli, torch; torch.ones(4).sum()")
+    assert "GOMP_SPINCOUNT = '30000'" not in err
+
+
 def test_a_user_wait_policy_is_respected():
-    err = _openmp_settings("import eagle3.cli, torch; torch.ones(4).sum()", OMP_WAIT_POLICY="ACTIVE")
+    err = _openmp_settings(ENTRY, OMP_WAIT_POLICY="ACTIVE")
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in err and "GOMP_SPINCOUNT = '0'" not in err
 
 
@@ -160,7 +179,8 @@ def test_a_step_weighed_by_its_expected_work_keeps_two_threads_through_stretches
 
 HAND_OVER = """
 import json, os, threading
-import eagle3, torch
+import eagle3; eagle3.tune_process()
+import torch
 from eagle3 import threads
 torch.set_num_threads(2)
 count = lambda: len(os.listdir('/proc/self/task'))

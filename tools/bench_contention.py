@@ -10,7 +10,9 @@ you set it); run in a quiet window, nothing else on the cores.
 """
 from __future__ import annotations
 
-import eagle3  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+import eagle3
+
+eagle3.tune_process()   # first: sets the OpenMP wait policy before torch loads
 
 import argparse
 import statistics

@@ -19,9 +19,11 @@ import os
 import shlex
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from ..cli_args import add_precision_args
+from ..cli_args import add_run_args, run_config_from_args
+from ..config import available_cores
 from ..errors import InputError
 from ..speculative.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
@@ -54,13 +56,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--temperatures", default=None, help="comma-separated (default 0,1; --tune: 0, "
                    "or the first one given)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for every system "
-                   "(default: all cores this process may use)")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="cpu = process CPU seconds instead of wall (with --threads 1, on a machine "
                         "shared with other jobs; llama.cpp-eagle3 keeps its own wall timers)")
-    add_precision_args(p)           # --weights, --draft-weights (the identity check reports bf16 drift)
+    add_run_args(p)                 # --weights, --draft-weights (the identity check reports bf16 drift),
+                                    # --device, --threads
     p.add_argument("--chain-depth", type=int, default=5,
                    help="ours-chain, llama.cpp-eagle3 and vllm-eagle3 depth")
     p.add_argument("--tree", default=None, help="ours-tree shape TOP_K,DEPTH,NUM_DRAFT_TOKENS[,MIN_PROB] "
@@ -91,19 +91,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def config_from(args: argparse.Namespace) -> BenchConfig:
     preset = TUNE if args.tune else QUICK if args.quick else {}
     temps = tuple(float(t) for t in (args.temperatures or "0,1").split(",") if t.strip())
-    threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                               else os.cpu_count() or 1)
+    run = replace(run_config_from_args(args), threads=args.threads or available_cores())
     systems = tuple(s.strip() for s in args.systems.split(",")) if args.systems else None
     if args.tune:
         systems, temps = ("ours-*",), temps[:1] if args.temperatures else (0.0,)
     return BenchConfig(model=args.model, draft=args.draft,
                        prompts=args.prompts or preset.get("prompts", 80),
                        max_new_tokens=args.max_new_tokens or preset.get("max_new_tokens", 256),
-                       temperatures=temps, seed=args.seed, threads=threads, device=args.device,
+                       temperatures=temps, seed=args.seed, run=run,
                        chain_depth=args.chain_depth, tree=parse_shape(args.tree) if args.tree else SpecParams(),
                        prompt_lookup=args.prompt_lookup, systems=systems,
                        ignore_eos=args.ignore_eos, max_model_len=args.max_model_len,
-                       clock=args.clock, weights=args.weights, draft_weights=args.draft_weights,
+                       clock=args.clock,
                        workload=args.workload, vllm_python=args.vllm_python, vllm_eager=args.vllm_eager,
                        out_dir=args.out)
 
@@ -207,8 +206,7 @@ def workload_text(cfg: BenchConfig, num_prompts: int) -> str:
 def busy_warning(threads: int) -> float:
     """Warn when other jobs hold the CPUs: figures get noisy, and llama.cpp's spinning thread
     pool slows down sharply when it has more threads than there are free cores."""
-    load, cores = os.getloadavg()[0], len(os.sched_getaffinity(0)) if hasattr(
-        os, "sched_getaffinity") else os.cpu_count() or 1
+    load, cores = os.getloadavg()[0], available_cores()
     if load > 0.5 * cores:
         log(f"WARNING: load average {load:.1f} on {cores} cores: other jobs are running; figures "
             f"will be noisy" + (f" and --threads {threads} > free cores penalises llama.cpp most "

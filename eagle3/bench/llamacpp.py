@@ -21,10 +21,11 @@ from typing import Optional
 
 import torch
 
+from .. import settings
 from .systems import GenParams, RunResult
 from .workload import BenchPrompt
 
-LLAMA_CPP_HOME = Path(os.environ.get("EAGLE3_LLAMA_CPP", Path.home() / ".cache/eagle3/llama.cpp"))
+LLAMA_CPP_HOME = Path(settings.env("EAGLE3_LLAMA_CPP") or Path.home() / ".cache/eagle3/llama.cpp")
 SPEC_BINARY = "build/bin/llama-speculative-simple"
 CONVERTER = "src/convert_hf_to_gguf.py"
 

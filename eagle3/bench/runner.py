@@ -14,6 +14,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..config import REFERENCE, RunConfig, available_cores, use
 from ..errors import InputError
 from ..speculative.policy import DEFAULT_SHAPES, name_of
 from ..speculative.tree import SpecParams
@@ -34,8 +35,8 @@ class BenchConfig:
     max_new_tokens: int = 256
     temperatures: tuple[float, ...] = (0.0, 1.0)
     seed: int = 0
-    threads: int = 2
-    device: Optional[str] = None
+    # our engine's weights, draft weights, device, and every system's threads (None: all cores)
+    run: RunConfig = field(default_factory=lambda: RunConfig(threads=2))
     chain_depth: int = 5
     tree: SpecParams = SpecParams()
     prompt_lookup: int = 10
@@ -43,8 +44,6 @@ class BenchConfig:
     ignore_eos: bool = False
     max_model_len: int = 2048
     clock: str = "wall"                            # "cpu": process CPU time (needs threads == 1)
-    weights: str = "auto"                          # our target's weights: auto | gguf | fp32 | bf16 (CPU)
-    draft_weights: str = "auto"                    # the draft's: auto | q4 | bf16 | fp32 (api.resolve_draft_weights)
     workload: str = "mtbench"                      # a key of workload.WORKLOADS
     vllm_python: Optional[str] = None              # None: $EAGLE3_VLLM_PYTHON or .venv-vllm/bin/python
     vllm_eager: bool = False                       # vLLM enforce_eager (default: compiled)
@@ -58,6 +57,23 @@ class BenchConfig:
         if self.clock == "cpu" and self.threads != 1:
             raise InputError(f"--clock cpu needs --threads 1 (got {self.threads}): with more threads "
                              "CPU time counts every thread, spin-waits included")
+
+    @property
+    def threads(self) -> int:
+        return self.run.threads or available_cores()
+
+    @property
+    def weights(self) -> str:
+        """Our target's weights (RunConfig.weights; the peers' dtype follows it)."""
+        return self.run.weights
+
+    @property
+    def draft_weights(self) -> str:
+        return self.run.draft_weights
+
+    @property
+    def device(self) -> Optional[str]:
+        return self.run.device
 
 
 @dataclass
@@ -137,7 +153,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     """Every wanted system on the same weights; the prompts; what was skipped and why."""
     from ..runtime.loader import load_tokenizer, resolve_model
     from .roofline import read_bytes_per_forward
-    torch.set_num_threads(cfg.threads)
+    use(replace(cfg.run, threads=cfg.threads))
     src = resolve_model(cfg.model)
     tokenizer = load_tokenizer(src.hf_dir)
     prompts = make_prompts(tokenizer, workload_questions(cfg.workload, cfg.prompts), cfg.seed)
@@ -176,8 +192,8 @@ def load_ours(cfg: BenchConfig, b: Builder, max_model_len: int):
     from ..api import load_engine
     draft_arg, no_draft = resolve_draft(cfg)
     before = rss_bytes()
-    engine = load_engine(cfg.model, draft_arg or "none", spec=cfg.tree, device=cfg.device,
-                         max_model_len=max_model_len, pack=False)
+    engine = load_engine(cfg.model, draft_arg or "none", spec=cfg.tree, max_model_len=max_model_len,
+                         config=replace(cfg.run, weights=REFERENCE, draft_weights=REFERENCE))
     b.load_rss_mb["ours"] = (rss_bytes() - before) / 2**20
     return engine, no_draft
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from .. import settings
 from ..speculative.step import acceptance_stats
 from .systems import GenParams, RunResult, cut_at_stop
 from .workload import BenchPrompt
@@ -42,7 +43,7 @@ DTYPES = {"fp32": "float32", "bf16": "bfloat16", "gguf": "bfloat16", "gguf-exact
 
 def default_python() -> Path:
     """$EAGLE3_VLLM_PYTHON, else the venv scripts/vllm_env.sh makes in the repository root."""
-    env = os.environ.get(PYTHON_ENV)
+    env = settings.env(PYTHON_ENV)
     return Path(env) if env else REPO_ROOT / ".venv-vllm" / "bin" / "python"
 
 

@@ -9,10 +9,10 @@ With --server it checks a running SGLang, vLLM or eagle3 server's acceptance (do
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
+from .. import settings
 from .checks import ProbeSettings, run_doctor
 from .launch import DraftFacts, TargetFacts, lint_launch
 from .report import Check, DoctorReport
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--server", metavar="URL", help="check a running SGLang / vLLM / eagle3 server at "
                    "this base URL (http://HOST:PORT): its speculation counters over a fixed set of "
                    "prompts; with --draft or --target also our own probe on the same pair")
-    s.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"),
+    s.add_argument("--api-key", default=settings.env("EAGLE3_API_KEY") or None,
                    help="the server's API key, sent as 'Authorization: Bearer KEY' (env EAGLE3_API_KEY)")
     s.add_argument("--model", default=None, help="the served model name (default: the first that "
                    "/v1/models lists)")

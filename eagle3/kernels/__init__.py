@@ -25,6 +25,8 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from .. import settings
+
 SOURCE = Path(__file__).with_name("gemv.cpp")
 BLOCK = 32                      # outputs per packed block (gemv.cpp kBlock)
 NEED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
@@ -69,7 +71,7 @@ def cpu_flags() -> set[str]:
 
 
 def _build() -> KernelState:
-    if os.environ.get("EAGLE3_KERNELS", "1") == "0":
+    if not settings.enabled("EAGLE3_KERNELS"):
         return KernelState(None, "off (EAGLE3_KERNELS=0)", False)
     flags = cpu_flags()
     if not NEED_FLAGS <= flags:
@@ -85,12 +87,12 @@ def _build() -> KernelState:
               file=sys.stderr)
         return KernelState(None, f"build failed: {type(exc).__name__}", False)
     bf16 = BF16_FLAG in flags
-    vnni = VNNI_FLAG in flags and os.environ.get("EAGLE3_VNNI", "1") != "0"
-    amx = (bf16 and AMX_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
+    vnni = VNNI_FLAG in flags and settings.enabled("EAGLE3_VNNI")
+    amx = (bf16 and AMX_FLAGS <= flags and settings.enabled("EAGLE3_AMX")
            and bool(module.amx_permitted()))
     # the integer dot products of 4-bit codes on tiles for blocks of 8+ rows: exact integer sums,
     # so the same bits as the VNNI path (faster from 16 rows: prefill pieces, long verify blocks)
-    amx_int8 = (vnni and AMX_INT8_FLAGS <= flags and os.environ.get("EAGLE3_AMX", "1") != "0"
+    amx_int8 = (vnni and AMX_INT8_FLAGS <= flags and settings.enabled("EAGLE3_AMX")
                 and bool(module.amx_int8_available()))
     module.set_amx_int8(amx_int8)
     reason = ("avx512" + (" + bf16" if bf16 else " (fp32 only)") + (" + vnni" if vnni else "")

@@ -33,6 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import settings
 from ..paths import cache_root
 
 ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
@@ -210,7 +211,7 @@ def machine_costs(target, draft=None, remeasure: bool = False, reps: int = 7) ->
     measured quietly and still holds, else measured (a few seconds, watched: `CpuWatch`) and
     cached. A cache that cannot be written is skipped (the table is still returned)."""
     path = cache_root() / "costs" / f"{cost_key(target, draft)}.json"
-    if not (remeasure or os.environ.get("EAGLE3_REMEASURE") == "1") and path.is_file():
+    if not (remeasure or settings.enabled("EAGLE3_REMEASURE")) and path.is_file():
         try:
             cached = CostTable.from_json(path.read_text())
         except (ValueError, KeyError, TypeError):

@@ -4,10 +4,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
-import os
 from typing import Optional, Sequence
 
-from ..cli_args import add_spec_args, spec_from_args
+from .. import settings
+from ..cli_args import add_run_args, add_spec_args, run_config_from_args, spec_from_args
 from ..errors import Eagle3Error
 from ..generate.batch import DEFAULT_MAX_BATCH, PREFIX_CACHE_TOKENS
 from ..runtime.assets import DEFAULT_MODEL
@@ -22,12 +22,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 description="OpenAI-compatible server with EAGLE-3 speculation")
     p.add_argument("--model", default=None,
                    help="target: .gguf file or HF directory (default: the packaged SmolLM2-135M)")
-    add_spec_args(p)        # --draft, --algorithm, --top-k, --depth, --num-draft-tokens
+    add_spec_args(p)        # --draft, --algorithm, --top-k, --depth, --num-draft-tokens, --policy
+    add_run_args(p)         # --weights, --draft-weights, --device, --threads
     p.add_argument("--served-model-name", default=None,
                    help="model id in /v1/models and requests (default: the --model value)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("EAGLE3_API_KEY"),
+    p.add_argument("--api-key", default=settings.env("EAGLE3_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on /v1/* (env EAGLE3_API_KEY)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests waiting for the engine before answering 503 (default 64)")
@@ -43,7 +44,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "layout, the bf16 default; 0: off)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context length: prompt + max_tokens (default 2048)")
-    p.add_argument("--device", default=None, help="cpu | cuda | ... (default: best available)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     """Parse flags, load the engine, run uvicorn until interrupted. Returns the exit status."""
+    from .. import tune_process
+    tune_process()          # once a process: `eagle3 serve` has already, before torch loaded
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.max_queue < 1 or args.max_model_len < 2 or args.max_batch < 1 or args.prefix_cache_tokens < 0:
@@ -66,9 +68,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         from ..api import load_engine
         engine = load_engine(model=args.model, draft=args.draft, spec=spec_from_args(args),
-                             device=args.device, max_model_len=args.max_model_len,
-                             algorithm=args.algorithm, weights=args.weights,
-                             draft_weights=args.draft_weights)
+                             config=run_config_from_args(args), max_model_len=args.max_model_len,
+                             algorithm=args.algorithm)
     except Eagle3Error as e:
         log.error("%s", e)
         return 2

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..config import RunConfig, use
 from .config import TrainConfig, parse_override
 from .trainer import Dist
 from . import pipeline
@@ -48,8 +49,7 @@ def init_dist() -> Dist:
 def train_main(argv: list[str]) -> int:
     """CLI entry: `eagle3 train ...` (also `python -m eagle3.train` / torchrun)."""
     cfg, args = parse_args(argv)
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    use(RunConfig(threads=cfg.threads))     # torch's threads (None: its default), the backend switches
     d = init_dist()
     if args.dry_run:
         from .dryrun import dry_run
