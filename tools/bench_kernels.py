@@ -9,6 +9,10 @@ a forward) and reported as us/call and GB/s of weight read.
 """
 from __future__ import annotations
 
+import eagle3
+
+eagle3.tune_process()   # first: the OpenMP wait policy before torch loads, the allocator
+
 import argparse
 import json
 import time

@@ -12,6 +12,10 @@ processes then inflate both systems alike instead of adding their run time to on
 """
 from __future__ import annotations
 
+import eagle3
+
+eagle3.tune_process()   # first: the OpenMP wait policy before torch loads, the allocator
+
 import argparse
 import json
 import statistics

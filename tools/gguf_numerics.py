@@ -14,6 +14,10 @@ Prints, for the same target file:
 """
 from __future__ import annotations
 
+import eagle3
+
+eagle3.tune_process()   # first: the OpenMP wait policy before torch loads, the allocator
+
 import argparse
 import json
 import time

@@ -11,6 +11,10 @@ seconds (use with --threads 1 on a shared machine).
 """
 from __future__ import annotations
 
+import eagle3
+
+eagle3.tune_process()   # first: the OpenMP wait policy before torch loads, the allocator
+
 import argparse
 import json
 import time
