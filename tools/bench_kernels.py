@@ -20,7 +20,7 @@ import time
 import torch
 
 from eagle3 import kernels
-from eagle3.models.layers import row_stable_attention
+from eagle3.runtime.backend import row_stable_attention
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 ROWS = (1, 2, 4, 8, 16, 32)
