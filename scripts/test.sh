@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# The test suite as CI runs it (README: bash scripts/setup.sh --test && bash scripts/test.sh):
-# every test, then the `lossless` ones (output identity through packed models) again with the
+# The test suite (README: bash scripts/setup.sh --test && bash scripts/test.sh): every test but the
+# `slow` ones, then the `lossless` ones (output identity through packed models) again with the
 # kernels off, on the fallbacks a CPU without AVX-512 runs (oneDNN linears, fp64 row-stable
-# attention). Extra arguments go to both pytest runs.
+# attention). `--slow` runs the slow tests instead (CI runs both: .ci/run). Other arguments go to
+# both pytest runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-.venv/bin/python -m pytest -q "$@"
+marks="not slow"
+if [ "${1:-}" = "--slow" ]; then marks="slow"; shift; fi
+pytest_allow_empty() {   # pytest's status 5 = no test selected, fine for a marker subset
+  .venv/bin/python -m pytest -q "$@" || { rc=$?; [ "$rc" -eq 5 ] || exit "$rc"; }
+}
+pytest_allow_empty -m "$marks" "$@"
 echo "--- again with the kernels off (EAGLE3_KERNELS=0): the lossless tests"
-EAGLE3_KERNELS=0 .venv/bin/python -m pytest -q -m lossless "$@"
+EAGLE3_KERNELS=0 pytest_allow_empty -m "lossless and ($marks)" "$@"
