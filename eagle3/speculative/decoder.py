@@ -52,7 +52,7 @@ from ..models.kv_cache import KVCache
 from ..draft.model import DraftBase
 from .merge import SUFFIX, merge_suffix
 from .policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
-from .suffix import SuffixCache, SuffixIndex
+from .suffix import SuffixIndex
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
 from .verify import Acceptance, verify_greedy, verify_sampled
@@ -87,7 +87,6 @@ class SpecDecoder:
 
     def __init__(self, target, draft: Optional[DraftBase], cache: KVCache, draft_cache: Optional[KVCache],
                  params: SamplingParams, spec: Optional[SpecParams] = None,
-                 suffix_cache: Optional[SuffixCache] = None,
                  policy: Optional[AdaptivePolicy] = None):
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
@@ -110,8 +109,7 @@ class SpecDecoder:
         self.caught_up: Optional[tuple[int, float]] = None           # this step's catch-up: rows, ms
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.head: Optional[DraftHead] = None
-        self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
-        self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
+        self.suffix: Optional[SuffixIndex] = None   # over the prompt and the output so far
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
 
     @property
@@ -151,7 +149,7 @@ class SpecDecoder:
             self.pending = [(torch.cat([ids[1:], self.root]), self._features(out)[0])]
         root = int(self.root)
         if self.suffix_only_tokens or any(s.suffix_tokens for s in self.shapes):
-            self.suffix = SuffixIndex(cache=self.suffix_cache)
+            self.suffix = SuffixIndex()
             self.suffix.extend(list(prompt_ids) + [root])
         return Step([root], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
 
