@@ -10,7 +10,7 @@ import time
 import pytest
 
 from eagle3.generate import Chunk, SamplingParams
-from eagle3.generate.output import Emitted, Output, Request, Scheduler
+from eagle3.generate.scheduler import Emitted, Scheduler
 from eagle3.generate.types import Step
 from eagle3.serve.highlight import DraftSpans
 from eagle3.serve.metrics import ServerMetrics
@@ -129,13 +129,8 @@ class CountingScheduler(Scheduler):
     """One request at a time, a one-token chunk per 10 ms step; records how many it produced."""
 
     def __init__(self):
-        super().__init__(max_batch=1)
+        super().__init__(1, tokenizer(), (), max_model_len=1000)
         self.produced = 0
-
-    def add(self, prompt_ids, params):
-        req = Request(next(self._ids), prompt_ids, params, Output(tokenizer(), params, (), 1))
-        self.waiting.append(req)
-        return req
 
     def step(self):
         if not self.running:
@@ -147,8 +142,7 @@ class CountingScheduler(Scheduler):
         req = self.running[0]
         return [Emitted(req, req.output.push(Step([100 + self.produced], 0)))]
 
-    def cancel(self, req):
-        req.output.cancel()
+    def _drop(self, req):
         self.running.remove(req)
 
 

@@ -42,8 +42,9 @@ from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
-from .engine import Run, check_length
-from .output import Emitted, Output, Request, Scheduler
+from .engine import Run
+from .output import Output
+from .scheduler import Emitted, Request, Scheduler
 
 DEFAULT_MAX_BATCH = 8       # a few rows more per forward cost little next to one row (bf16 kernels)
 PREFILL_CHUNK = 64          # prompt tokens per step, over all prefilling requests
@@ -96,9 +97,8 @@ class BatchScheduler(Scheduler):
         if not hasattr(target, "forward_rows"):
             raise InputError(f"{type(target).__name__} has no batched forward (forward_rows): "
                              "batching needs the native inference layout; use max_batch 1")
-        super().__init__(max_batch)
-        self.target, self.tokenizer, self.eos_ids = target, tokenizer, frozenset(eos_ids)
-        self.max_model_len, self.prefill_chunk = max_model_len, prefill_chunk
+        super().__init__(max_batch, tokenizer, eos_ids, max_model_len)
+        self.target, self.prefill_chunk = target, prefill_chunk
         if solo is not None and (not solo.speculative or solo.target is not target):
             raise InputError("the solo engine must be speculative (a draft) on the batch's own target")
         self.solo = solo
@@ -118,22 +118,12 @@ class BatchScheduler(Scheduler):
                    prefix_cache_tokens=prefix_cache_tokens)
 
     # ------------------------------------------------------------------ requests
-    def add(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> BatchRequest:
-        """Queue a request; it joins the batch at the next step with a free slot."""
-        check_length(len(prompt_ids), params.max_new_tokens, self.max_model_len)
-        output = Output(self.tokenizer, params, self.eos_ids, len(prompt_ids))
-        req = BatchRequest(next(self._ids), list(prompt_ids), params, output,
-                           params.generator(self.target.device))
-        self.waiting.append(req)
-        return req
+    def _request(self, rid: int, prompt_ids: list[int], params: SamplingParams,
+                 output: Output) -> BatchRequest:
+        return BatchRequest(rid, prompt_ids, params, output, params.generator(self.target.device))
 
-    def cancel(self, req: BatchRequest) -> None:
-        """Stop a request now: its slot is free for the next step (no further chunks)."""
-        if req.done:
-            return
-        req.output.cancel()
-        if req in self.waiting:
-            self.waiting.remove(req)
+    def _drop(self, req: BatchRequest) -> None:
+        """Cancelled: its slot is free for the next step."""
         self._end_solo(req)
         self._retire(req)
 

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
-from ..errors import InputError
 from .plain import PlainDecoder
 from ..sampling import SamplingParams
-from .output import Output
+from .output import Output, check_length
 from .text import encode_prompt
 from ..speculative.step import Step
 from ..threads import ThreadGovernor, governor_enabled
@@ -22,17 +21,6 @@ from .types import Chunk, Decoder, GenerationResult
 
 if TYPE_CHECKING:
     from ..speculative.policy import AdaptivePolicy
-
-
-def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
-    """InputError unless a prompt is given and it fits the context with max_new_tokens."""
-    if prompt_len == 0:
-        raise InputError("empty prompt: give some text or chat messages")
-    if prompt_len + max_new_tokens > max_model_len:
-        raise InputError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{prompt_len + max_new_tokens} exceeds the context ({max_model_len} tokens); "
-            "shorten the prompt or lower max_new_tokens")
 
 
 class Engine:

@@ -3,24 +3,29 @@
 Output is the one emit/finish path of every engine (Engine, BatchScheduler, SerialScheduler): the
 tokens a step emits stop at a stop id (eos unless ignore_eos, and params.stop_token_ids) or at
 max_new_tokens, the text at a stop string (TextStream); the last Chunk carries the finish reason
-and the GenerationResult. Plain Python: it never sees a tensor or a model. Also here: a request
-in a scheduler and the interface every scheduler offers the server (Scheduler).
+and the GenerationResult. Plain Python: it never sees a tensor or a model.
 """
 from __future__ import annotations
 
-import itertools
 import time
-from collections import deque
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional
+from typing import Iterable, Optional
 
+from ..errors import InputError
 from ..sampling import SamplingParams
 from ..speculative.step import Step
 from .text import TextStream
 from .types import Chunk, GenerationResult
 
-if TYPE_CHECKING:
-    from ..models.kv_cache import PrefixStore
+
+def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
+    """InputError unless a prompt is given and it fits the context with max_new_tokens."""
+    if prompt_len == 0:
+        raise InputError("empty prompt: give some text or chat messages")
+    if prompt_len + max_new_tokens > max_model_len:
+        raise InputError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
+            f"{prompt_len + max_new_tokens} exceeds the context ({max_model_len} tokens); "
+            "shorten the prompt or lower max_new_tokens")
 
 
 def stop_ids_of(params: SamplingParams, eos_ids: Iterable[int]) -> frozenset[int]:
@@ -28,7 +33,8 @@ def stop_ids_of(params: SamplingParams, eos_ids: Iterable[int]) -> frozenset[int
     return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_ids))
 
 
-def take_tokens(tokens: list[int], stop_ids: frozenset[int], room: int) -> tuple[list[int], Optional[str]]:
+def take_tokens(tokens: list[int], stop_ids: frozenset[int],
+                room: int) -> tuple[list[int], Optional[str]]:
     """The tokens emitted (up to a stop id, at most `room`), and the finish reason if they end it."""
     new: list[int] = []
     for tok in tokens:
@@ -82,54 +88,3 @@ class Output:
     def result(self) -> GenerationResult:
         return GenerationResult(self.text.text, self.ids, self.prompt_tokens, self.finish, self.steps,
                                 time.perf_counter() - self.started, self.ttft_s, self.cached_tokens)
-
-
-@dataclass(eq=False)
-class Request:
-    """A request in a scheduler (read-only outside it)."""
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    output: Output
-
-    @property
-    def done(self) -> bool:
-        return self.output.done
-
-
-class Emitted(NamedTuple):
-    """A chunk a scheduler step produced, and its request."""
-    request: Request
-    chunk: Chunk
-
-
-class Scheduler:
-    """Requests in, each step's chunks out: what the server's engine thread drives. Subclasses
-    (serial.SerialScheduler, batch.BatchScheduler) implement add, step and cancel."""
-    prefixes: Optional["PrefixStore"] = None    # the prefix cache (None: off)
-
-    def __init__(self, max_batch: int):
-        self.max_batch = max_batch                  # requests that may run at once
-        self.waiting: deque = deque()               # added, not admitted yet (arrival order)
-        self.running: list = []                     # admitted, not done (admission order)
-        self._ids = itertools.count()
-
-    def add(self, prompt_ids: list[int], params: SamplingParams) -> Request:
-        """Queue a request (its length checked); it is admitted at a step with a free slot."""
-        raise NotImplementedError
-
-    def step(self) -> list[Emitted]:
-        """Admit what fits, run one step; the chunks it produced."""
-        raise NotImplementedError
-
-    def cancel(self, req: Request) -> None:
-        """Stop a request now: no further chunks, its slot free for the next step."""
-        raise NotImplementedError
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
-
-    @property
-    def free_slots(self) -> int:
-        return self.max_batch - len(self.running)

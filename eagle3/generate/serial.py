@@ -1,5 +1,5 @@
 """One request at a time on an Engine, behind the scheduler interface the server drives
-(output.Scheduler): BatchScheduler's, for a batch of one on any target.
+(scheduler.Scheduler): BatchScheduler's, for a batch of one on any target.
 
 A request runs from its prefill to its last chunk (an Engine Run: speculative when the engine has a
 draft or a suffix policy) before the next is admitted; a step is one step of that run.
@@ -8,36 +8,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..sampling import SamplingParams
 from .engine import Run
-from .output import Emitted, Output, Request, Scheduler
+from .scheduler import Emitted, Request, Scheduler
 
 
 class SerialScheduler(Scheduler):
     """No prefix cache: each request prefills its whole prompt."""
 
     def __init__(self, engine):
-        super().__init__(max_batch=1)
+        super().__init__(1, engine.tokenizer, engine.eos_ids, engine.max_model_len)
         self.engine = engine
         self.run: Optional[Run] = None          # the running request's
-
-    def add(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> Request:
-        """Queue a request; it starts at the first step with nothing running."""
-        self.engine.check_length(len(prompt_ids), params.max_new_tokens)
-        output = Output(self.engine.tokenizer, params, self.engine.eos_ids, len(prompt_ids))
-        req = Request(next(self._ids), list(prompt_ids), params, output)
-        self.waiting.append(req)
-        return req
-
-    def cancel(self, req: Request) -> None:
-        """Stop a request now (no further chunks)."""
-        if req.done:
-            return
-        req.output.cancel()
-        if req in self.waiting:
-            self.waiting.remove(req)
-        else:
-            self._retire()
 
     def step(self) -> list[Emitted]:
         """The running request's next step (the first of a new one: its prefill)."""
@@ -50,10 +31,9 @@ class SerialScheduler(Scheduler):
         req = self.running[0]
         chunk = self.run.step()
         if req.done:
-            self._retire()
+            self._drop(req)
         return [Emitted(req, chunk)]
 
-    def _retire(self) -> None:
-        if self.run is not None:
-            self.run.close()
+    def _drop(self, req: Request) -> None:
+        self.run.close()
         self.run, self.running = None, []

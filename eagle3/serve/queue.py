@@ -1,4 +1,4 @@
-"""A bounded queue and one engine thread in front of a scheduler (generate.output.Scheduler):
+"""A bounded queue and one engine thread in front of a scheduler (generate.scheduler.Scheduler):
 SerialScheduler serves one sequence at a time (--max-batch 1, or a target without a batched
 forward); BatchScheduler decodes up to max_batch sequences together (continuous batching; with a
 draft, speculative when one runs alone).
@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 
 from ..errors import InputError
 from ..generate import Chunk, SamplingParams, Step
-from ..generate.output import Request, Scheduler
+from ..generate.scheduler import Request, Scheduler
 from ..threads import hand_over_cores
 
 log = logging.getLogger("eagle3.serve")
