@@ -213,8 +213,8 @@ class BatchScheduler(Scheduler):
         for r in self.running:          # a fresh prompt starts from the longest cached prefix
             if self.prefixes is not None and r.fed == 0 and not r.out_ids and not r.prefix_seen:
                 r.prefix_seen = True
-                r.fed = r.output.cached_tokens = self.prefixes.load(self.cache, r.slot, r.prompt_ids,
-                                                             len(r.prompt_ids) - 1, PREFIX_MIN)
+                r.fed = r.output.cached_tokens = self.prefixes.load(
+                    self.cache, r.slot, r.prompt_ids, len(r.prompt_ids) - 1, PREFIX_MIN)
         budget = self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:
