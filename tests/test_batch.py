@@ -263,7 +263,7 @@ def test_a_prompt_that_starts_like_an_earlier_one_prefills_only_the_rest(alone, 
     sched = scheduler(alone, max_batch=3, prefill_chunk=64, prefix_cache_tokens=64)
     first = sched.add(first_prompt, SamplingParams(max_new_tokens=5))
     chunks = drain(sched)
-    assert first.cached_tokens == 0 and len(sched.prefixes.entries) == 1
+    assert first.output.cached_tokens == 0 and len(sched.prefixes.entries) == 1
     later = [sched.add(shared + prompt(6, seed=42), SamplingParams(max_new_tokens=7)),
              sched.add(shared + prompt(4, seed=43), SamplingParams(temperature=1.0, seed=3, max_new_tokens=7)),
              sched.add(shared[:PREFIX_MIN - 1] + prompt(5, seed=44), SamplingParams(max_new_tokens=4))]
@@ -274,7 +274,7 @@ def test_a_prompt_that_starts_like_an_earlier_one_prefills_only_the_rest(alone, 
         chunks.update(drain(sched))
     finally:
         del sched.target.forward_rows
-    assert [r.cached_tokens for r in later] == [20, 20, 0]
+    assert [r.output.cached_tokens for r in later] == [20, 20, 0]
     assert rows[0] == 6 + 4 + PREFIX_MIN - 1 + 5          # the first forward: only the new tokens
     for req in [first] + later:
         check_equals_alone(alone, req, chunks[req.id])
@@ -282,7 +282,7 @@ def test_a_prompt_that_starts_like_an_earlier_one_prefills_only_the_rest(alone, 
     assert sched.prefixes.tokens <= 64 and tuple(first_prompt) not in sched.prefixes.entries
     again = sched.add(list(later[1].prompt_ids), SamplingParams(max_new_tokens=3))  # a repeat
     chunks.update(drain(sched))
-    assert again.cached_tokens == len(later[1].prompt_ids) - 1          # all but its last token
+    assert again.output.cached_tokens == len(later[1].prompt_ids) - 1          # all but its last token
     check_equals_alone(alone, again, chunks[again.id])
 
 
@@ -298,7 +298,7 @@ def test_cancel_mid_batch_frees_the_slot_at_once(alone, one_thread):
             assert b.slot is None and sched.cache.num_free == 1 and b not in sched.running
 
     chunks = drain(sched, on_step=cancel_b)
-    assert len(chunks[b.id]) == 3 and chunks[b.id][-1].result is None and b.finish == "cancelled"
+    assert len(chunks[b.id]) == 3 and chunks[b.id][-1].result is None and b.output.finish == "cancelled"
     for req in (a, c):
         check_equals_alone(alone, req, chunks[req.id])
     assert sched.cache.num_free == 2
@@ -331,6 +331,26 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_others_decode(alone, one_thr
         step()
     for req in (a, b, long):
         check_equals_alone(alone, req, chunks[req.id])
+
+
+def test_the_serial_scheduler_runs_one_request_at_a_time(alone, one_thread):
+    """The scheduler interface over an Engine alone: requests run in arrival order, one at a time,
+    each equal to its output alone; a cancelled one makes room for the next at once."""
+    from eagle3.generate import SamplingParams, SerialScheduler
+    sched = SerialScheduler(alone)
+    params = [SamplingParams(max_new_tokens=6), SamplingParams(temperature=1.0, seed=2, max_new_tokens=5),
+              SamplingParams(max_new_tokens=7)]
+    reqs = [sched.add(prompt(4 + i, seed=20 + i), p) for i, p in enumerate(params)]
+    order = []
+    chunks = drain(sched, on_step=lambda n, emitted: order.extend(e.request.id for e in emitted))
+    assert order == sorted(order)
+    for req in reqs:
+        check_equals_alone(alone, req, chunks[req.id])
+    a, b = (sched.add(prompt(5, seed=30 + i), SamplingParams(max_new_tokens=8)) for i in range(2))
+    sched.step()
+    sched.cancel(a)
+    assert a.output.finish == "cancelled" and not sched.running and sched.free_slots == 1
+    assert [e.request for e in sched.step()] == [b] and sched.running == [b]
 
 
 # ---------------------------------------------------------------------------- the server
@@ -374,7 +394,7 @@ def test_served_concurrent_requests_each_get_their_own_output(served_target, alo
     import openai
 
     from eagle3.generate import SamplingParams
-    from eagle3.serve.queue import BatchWorker
+    from eagle3.generate.batch import BatchScheduler
     from serve_fixtures import RunningServer
     cases = [(f"Question {i}: say something about {i * 7}." + " more" * (i * 9), i % 2 == 0,
               SamplingParams(temperature=0.0 if i % 3 else 0.9, seed=i, max_new_tokens=10 + 3 * i))
@@ -383,7 +403,7 @@ def test_served_concurrent_requests_each_get_their_own_output(served_target, alo
             for text, _, p in cases]
     app = batched_app(served_target, max_batch=3)
     worker = app.state.server.worker
-    assert isinstance(worker, BatchWorker)
+    assert isinstance(worker.scheduler, BatchScheduler)
     running_seen = []
     step = worker.scheduler.step
     worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
@@ -416,13 +436,13 @@ def test_a_speculative_server_batches_and_speculates_for_a_request_alone(served_
     import httpx
 
     from eagle3.generate import SamplingParams
+    from eagle3.generate.batch import BatchScheduler
     from eagle3.serve import create_app
-    from eagle3.serve.queue import BatchWorker
     from serve_fixtures import GroupedEngine, RunningServer, tokenizer
     engine = GroupedEngine(served_target, tokenizer(), max_model_len=CTX)
     app = create_app(engine, model_name="tiny", max_batch=3)
     worker = app.state.server.worker
-    assert isinstance(worker, BatchWorker) and worker.scheduler.solo is engine
+    assert isinstance(worker.scheduler, BatchScheduler) and worker.scheduler.solo is engine
     running_seen = []
     step = worker.scheduler.step
     worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
@@ -539,8 +559,9 @@ def test_a_greedy_request_alone_decodes_speculatively(solo_engines, one_thread):
     req = sched.add(SOLO_PROMPTS[0], SamplingParams(max_new_tokens=SOLO_NEW, ignore_eos=True))
     chunks = drain(sched)[req.id]
     check_equals_alone(plain, req, chunks)
-    assert req.solo_steps == len(req.steps) - 1 and all(s.proposed > 0 for s in req.steps[1:])
-    assert sum(s.accepted for s in req.steps) > SOLO_NEW // 3          # the oracle is mostly right
+    steps = req.output.steps
+    assert req.solo_steps == len(steps) - 1 and all(s.proposed > 0 for s in steps[1:])
+    assert sum(s.accepted for s in steps) > SOLO_NEW // 3          # the oracle is mostly right
     assert len(chunks) < SOLO_NEW and any(any(c.from_draft) for c in chunks)
     assert sched.cache.num_free == 3
 
@@ -562,7 +583,7 @@ def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engine
     for _ in range(4):                                    # the prefill, then 3 solo steps
         for e in sched.step():
             chunks.setdefault(e.request.id, []).append(e.chunk)
-    assert first.solo_steps == 3 and first.decoder is not None
+    assert first.solo_steps == 3 and first.solo is not None
     done_alone = len(first.out_ids)
     assert done_alone > 4                                 # speculation gave more than a token a step
     others = [sched.add(SOLO_PROMPTS[1], SamplingParams(max_new_tokens=10)),
@@ -570,7 +591,7 @@ def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engine
     refill = len(SOLO_PROMPTS[0]) + done_alone - 1          # prompt + output but the last token
     for e in sched.step():
         chunks.setdefault(e.request.id, []).append(e.chunk)
-    assert first.decoder is None
+    assert first.solo is None
     if join == "copy":
         assert first.fed == refill + 1 and len(first.out_ids) == done_alone + 1   # decoded at once
     else:
@@ -584,7 +605,7 @@ def test_a_request_that_gets_company_joins_the_batch_with_its_output(solo_engine
         chunks.setdefault(rid, []).extend(cs)
     for req in [first] + others:
         check_equals_alone(plain, req, chunks[req.id])
-    assert all(s.accepted == 0 for s in first.steps[4:]) and first.solo_steps == 3
+    assert all(s.accepted == 0 for s in first.output.steps[4:]) and first.solo_steps == 3
     assert all(r.solo_steps == 0 for r in others)
 
 
@@ -595,7 +616,7 @@ def test_a_sampled_request_alone_is_never_solo(solo_engines, one_thread):
     sched = scheduler(spec, max_batch=2)
     req = sched.add(SOLO_PROMPTS[1], SamplingParams(temperature=0.9, seed=3, max_new_tokens=12))
     chunks = drain(sched)[req.id]
-    assert req.solo_steps == 0 and all(s.proposed == 0 for s in req.steps)
+    assert req.solo_steps == 0 and all(s.proposed == 0 for s in req.output.steps)
     check_equals_alone(plain, req, chunks)
 
 
@@ -606,9 +627,9 @@ def test_a_cancelled_solo_request_frees_its_slot(solo_engines, one_thread):
     req = sched.add(SOLO_PROMPTS[0], SamplingParams(max_new_tokens=SOLO_NEW))
     sched.step()
     sched.step()
-    assert req.decoder is not None and sched.cache.num_free == 1
+    assert req.solo is not None and sched.cache.num_free == 1
     sched.cancel(req)
-    assert req.decoder is None and sched.cache.num_free == 2 and not sched.has_work
+    assert req.solo is None and sched.cache.num_free == 2 and not sched.has_work
 
 
 def test_serving_bench_measures_streamed_requests(served_target):
@@ -723,7 +744,8 @@ def test_a_batch_steps_chunks_wake_the_event_loop_once(served_target):
     import asyncio
 
     from eagle3.generate import Engine, SamplingParams
-    from eagle3.serve.queue import END, BatchWorker, Job
+    from eagle3.generate.batch import BatchScheduler
+    from eagle3.serve.queue import END, EngineWorker, Job
     from serve_fixtures import tokenizer
 
     class CountingLoop:         # the running loop, counting the engine thread's hand-overs
@@ -735,7 +757,8 @@ def test_a_batch_steps_chunks_wake_the_event_loop_once(served_target):
             return self.loop.call_soon_threadsafe(*args)
 
     async def scenario():
-        worker = BatchWorker(Engine(served_target, tokenizer(), max_model_len=CTX), 8, 4)
+        engine = Engine(served_target, tokenizer(), max_model_len=CTX)
+        worker = EngineWorker(BatchScheduler.from_engine(engine, 4), 8)
         loop = CountingLoop(asyncio.get_running_loop())
         jobs = [Job([5 + i, 6, 7], SamplingParams(max_new_tokens=6, ignore_eos=True), loop)
                 for i in range(4)]

@@ -407,7 +407,7 @@ def test_disconnect_mid_stream_frees_the_engine(slow_server):
     resp.close()
     http.close()
     worker = slow_server.app.state.server.worker
-    assert wait_for(lambda: worker.running is None, 2.0), "generation kept running after disconnect"
+    assert wait_for(lambda: worker.busy == 0, 2.0), "generation kept running after disconnect"
     r = httpx.post(slow_server.url + "/v1/chat/completions", json={**GOOD, "max_tokens": 4},
                    timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
@@ -422,7 +422,7 @@ def test_disconnect_while_waiting_for_a_whole_response(slow_server):
         httpx.post(slow_server.url + "/v1/completions", timeout=0.5,
                    json={"prompt": "Tell a long story", "max_tokens": 200, "temperature": 0})
     worker = slow_server.app.state.server.worker
-    assert wait_for(lambda: worker.running is None, 2.0), "generation kept running after disconnect"
+    assert wait_for(lambda: worker.busy == 0, 2.0), "generation kept running after disconnect"
     assert metrics(slow_server.url)[("eagle3:requests_cancelled_total", ())] == 1
 
 
@@ -437,7 +437,7 @@ def test_cancelled_steps_count_in_health_and_metrics(slow_server):
     resp.close()
     http.close()
     assert len(events) >= 3
-    assert wait_for(lambda: state.worker.running is None and state.acceptance is not None, 2.0)
+    assert wait_for(lambda: state.worker.busy == 0 and state.acceptance is not None, 2.0)
     acceptance = httpx.get(slow_server.url + "/health", timeout=10).json()["acceptance"]
     m = metrics(slow_server.url)
     assert m[("eagle3:requests_cancelled_total", ())] == 1
@@ -453,7 +453,7 @@ def test_full_queue_answers_503_with_retry_after(slow_server):
     lines = running.iter_lines()         # keep a reference: a dropped iterator closes the stream
     next(lines)
     worker = slow_server.app.state.server.worker
-    assert wait_for(lambda: worker.running is not None)
+    assert wait_for(lambda: worker.busy == 1)
     queued = {}
     t = threading.Thread(target=lambda: queued.setdefault("r", httpx.post(
         slow_server.url + "/v1/chat/completions", json=GOOD, timeout=60)))

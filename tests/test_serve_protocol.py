@@ -10,6 +10,7 @@ import time
 import pytest
 
 from eagle3.generate import Chunk, SamplingParams
+from eagle3.generate.scheduler import Emitted, Scheduler
 from eagle3.generate.types import Step
 from eagle3.serve.highlight import DraftSpans
 from eagle3.serve.metrics import ServerMetrics
@@ -124,26 +125,34 @@ def test_metrics_count_suffix_accepts_and_steps_by_arm():
 
 
 # ---------------------------------------------------------------------------- the queue
-class CountingEngine:
-    """Yields one chunk per 10 ms up to `n`; records how many it produced."""
+class CountingScheduler(Scheduler):
+    """One request at a time, a one-token chunk per 10 ms step; records how many it produced."""
 
-    def __init__(self, n: int = 100):
-        self.n, self.produced = n, 0
+    def __init__(self):
+        super().__init__(1, tokenizer(), (), max_model_len=1000)
+        self.produced = 0
 
-    def stream(self, prompt_ids, params):
-        for i in range(self.n):
-            time.sleep(0.01)
-            self.produced += 1
-            yield Chunk("x", [i], [False])
+    def step(self):
+        if not self.running:
+            if not self.waiting:
+                return []
+            self.running = [self.waiting.popleft()]
+        time.sleep(0.01)
+        self.produced += 1
+        req = self.running[0]
+        return [Emitted(req, req.output.push(Step([100 + self.produced], 0)))]
+
+    def _drop(self, req):
+        self.running.remove(req)
 
 
 def test_worker_cancel_stops_between_chunks_and_full_queue_refuses():
     async def scenario():
-        engine = CountingEngine()
-        worker = EngineWorker(engine, max_queue=1)
+        scheduler = CountingScheduler()
+        worker = EngineWorker(scheduler, max_queue=1)
         await worker.start()
         loop = asyncio.get_running_loop()
-        first = Job([1], SamplingParams(), loop)
+        first = Job([1], SamplingParams(max_new_tokens=100), loop)
         worker.submit(first)
         assert isinstance(await first.out.get(), Chunk)
         worker.submit(Job([1], SamplingParams(), loop))          # waits: the engine is busy
@@ -153,7 +162,7 @@ def test_worker_cancel_stops_between_chunks_and_full_queue_refuses():
         items = [await first.out.get()]
         while items[-1] is not END:
             items.append(await first.out.get())
-        produced = engine.produced
+        produced = scheduler.produced
         await worker.stop()
         return produced
 

@@ -1,5 +1,5 @@
 """SpecDecoder with suffix candidates merged into its trees, on tiny random models: greedy
-identity, cache contents, lossless sampling, the cross-request cache, the option's checks."""
+identity, cache contents, lossless sampling, the option's checks."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +11,6 @@ import torch
 from eagle3.errors import InputError
 from eagle3.generate import SamplingParams
 from eagle3.speculative.decoder import SpecDecoder
-from eagle3.speculative.suffix import SuffixCache
 from eagle3.speculative.tree import SpecParams
 from spec_helpers import (assert_caches_equal_one_pass, chi_square_p, one_thread, oracle_draft, plain_greedy,  # noqa: F401
                           spec_engine, tiny_draft, tiny_target)
@@ -132,26 +131,6 @@ def test_sampling_with_suffix_candidates_is_lossless(target, reference, params, 
     t1, counts, via_suffix = sample_two_after_first(dec, prompt, 600)
     assert via_suffix > 150                                    # suffix tokens took part
     assert chi_square_p(counts, exact_joint(target, prompt + [t1], params, 2)) > 0.01
-
-
-# ---------------------------------------------------------------------------- cross-request cache
-def test_cross_request_cache_proposes_an_earlier_answer(target, reference):
-    spec = SpecParams(1, 1, 2, 0.0, suffix_tokens=8)
-    draft = tiny_draft(target)
-    cache = SuffixCache(max_tokens=1000)
-
-    def run() -> list:
-        dec = SpecDecoder(target, draft, target.new_cache(96), draft.new_cache(96), SamplingParams(),
-                          spec, suffix_cache=cache)
-        steps = [dec.prefill(PROMPT, MAX_NEW)]
-        while sum(len(s.tokens) for s in steps) < MAX_NEW:
-            steps.append(dec.step())
-        return steps
-    alone = run()
-    cache.add(PROMPT + [t for s in alone for t in s.tokens])
-    again = run()
-    assert [t for s in again for t in s.tokens][:MAX_NEW] == reference
-    assert len(again) < len(alone)                   # the stored answer was proposed and accepted
 
 
 # ---------------------------------------------------------------------------- checks

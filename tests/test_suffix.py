@@ -1,4 +1,4 @@
-"""Suffix index and cross-request cache: `propose` against a brute-force search of the same spec."""
+"""Suffix index: `propose` against a brute-force search of the same spec."""
 from __future__ import annotations
 
 import random
@@ -6,7 +6,7 @@ import random
 import pytest
 
 from eagle3.errors import InputError
-from eagle3.speculative.suffix import SuffixCache, SuffixCandidate, SuffixIndex, _Tail
+from eagle3.speculative.suffix import SuffixCandidate, SuffixIndex
 
 
 # ---------------------------------------------------------------------------- brute force
@@ -18,38 +18,25 @@ def lz_copy(seq: list[int], e: int, max_tokens: int) -> list[int]:
     return x[len(seq):]
 
 
-def grouped(seqs: list[list[int]], suffix: list[int]) -> dict[int, tuple[int, int, int]]:
-    """next token -> (count, latest seq index, latest end) over every occurrence of `suffix`."""
+def grouped(seq: list[int], suffix: list[int]) -> dict[int, tuple[int, int]]:
+    """next token -> (count, latest end) over every occurrence of `suffix` in `seq`."""
     length, groups = len(suffix), {}
-    for i, seq in enumerate(seqs):
-        for e in range(length, len(seq)):
-            if seq[e - length:e] == suffix:
-                count = groups.get(seq[e], (0,))[0]
-                groups[seq[e]] = (count + 1, i, e)
+    for e in range(length, len(seq)):
+        if seq[e - length:e] == suffix:
+            groups[seq[e]] = (groups.get(seq[e], (0,))[0] + 1, e)
     return groups
 
 
-def brute_ranked(seqs, context, min_match, max_match, limit, exclude, longest):
-    out, seen = [], set(exclude)
-    for length in range(min(max_match, longest), min_match - 1, -1):
-        groups = grouped(seqs, context[len(context) - length:])
-        for tok, (count, i, e) in sorted(groups.items(), key=lambda kv: (-kv[1][0], -kv[1][1], -kv[1][2])):
+def brute_own(seq, max_tokens, min_match, max_match, limit):
+    """The module docstring's candidates, by trying every match length and occurrence."""
+    out, seen = [], set()
+    for length in range(min(max_match, len(seq) - 1), min_match - 1, -1):
+        groups = grouped(seq, seq[len(seq) - length:])
+        for tok, (count, e) in sorted(groups.items(), key=lambda kv: (-kv[1][0], -kv[1][1])):
             if len(out) < limit and tok not in seen:
                 seen.add(tok)
-                out.append((length, count, i, e))
+                out.append(SuffixCandidate(lz_copy(seq, e, max_tokens), length, count))
     return out
-
-
-def brute_own(seq, max_tokens, min_match, max_match, limit):
-    ranked = brute_ranked([seq], seq, min_match, max_match, limit, (), len(seq) - 1)
-    return [SuffixCandidate(lz_copy(seq, e, max_tokens), length, count)
-            for length, count, _, e in ranked]
-
-
-def brute_cache(stored, context, max_tokens, min_match, max_match, limit, exclude):
-    ranked = brute_ranked(stored, context, min_match, max_match, limit, exclude, len(context))
-    return [SuffixCandidate(stored[i][e:e + max_tokens], length, count, True)
-            for length, count, i, e in ranked]
 
 
 def random_seq(rng: random.Random, vocab: int, length: int) -> list[int]:
@@ -139,76 +126,6 @@ def test_parameters_are_checked():
     for kw in (dict(min_match=0), dict(min_match=3, max_match=2), dict(max_candidates=0)):
         with pytest.raises(InputError):
             SuffixIndex(**kw)
-    with pytest.raises(InputError, match="max_tokens"):
-        SuffixCache(0)
-
-
-# ---------------------------------------------------------------------------- cross-request cache
-def counts(cache: SuffixCache) -> dict:
-    """The trie's structure and counts (latest ends are global positions, so left out)."""
-    def walk(node) -> dict | tuple:
-        if isinstance(node, _Tail):
-            return ("tail", node.limit)
-        assert all(s[0] > 0 for s in node.follow.values())
-        return {"follow": {t: s[0] for t, s in node.follow.items()},
-                "older": {t: walk(c) for t, c in node.older.items()}}
-    return walk(cache.trie.root)
-
-
-def all_lead_to_statistics(node, depth: int, min_match: int) -> bool:
-    """No node is left that neither has statistics nor leads to some (eviction pruned)."""
-    if isinstance(node, _Tail):
-        return node.limit >= min_match
-    kids = all(all_lead_to_statistics(c, depth + 1, min_match) for c in node.older.values())
-    return kids and (depth == 0 or bool(node.older) or bool(node.follow))
-
-
-def rebuilt(cache: SuffixCache) -> SuffixCache:
-    fresh = SuffixCache(cache.max_tokens, cache.trie.min_match, cache.trie.max_match)
-    for seq in cache.sequences:
-        fresh.add(seq)
-    return fresh
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_cache_propose_equals_brute_force_with_eviction(seed):
-    rng = random.Random(100 + seed)
-    budget, vocab = rng.randint(20, 200), rng.randint(4, 6)
-    min_match, max_match = rng.randint(1, 3), rng.randint(3, 10)
-    cache = SuffixCache(budget, min_match, max_match)
-    stored: list[list[int]] = []
-    for _ in range(12):
-        seq = random_seq(rng, vocab, rng.randint(1, 120))
-        cache.add(seq)
-        stored.append(seq[-budget:])
-        while sum(map(len, stored)) > budget:
-            stored.pop(0)
-        assert cache.stored_tokens == sum(map(len, stored)) <= budget
-        assert cache.sequences == stored
-        own = SuffixIndex(min_match, max_match, max_candidates=3, cache=cache)
-        for part in chunks(rng, random_seq(rng, vocab, rng.randint(1, 40))):
-            own.extend(part)
-            max_tokens = rng.randint(1, 10)
-            mine = brute_own(own.tokens, max_tokens, min_match, max_match, 3)
-            shared = brute_cache(stored, own.tokens, max_tokens, min_match, max_match,
-                                 3 - len(mine), {c.tokens[0] for c in mine})
-            assert own.propose(max_tokens) == mine + shared
-
-
-def test_eviction_leaves_the_trie_of_the_remaining_sequences():
-    rng = random.Random(7)
-    cache = SuffixCache(100, 2, 6)
-    for _ in range(15):
-        cache.add(random_seq(rng, 4, rng.randint(10, 60)))
-        assert all_lead_to_statistics(cache.trie.root, 0, 2)
-    cache.add([1] * 100)                                       # the whole budget: the rest goes
-    assert [len(s) for s in cache.sequences] == [100] and cache.stored_tokens == 100
-    assert counts(cache) == counts(rebuilt(cache))
-    cache.add(list(range(250)))                                # longer than the budget: its tail
-    assert cache.sequences == [list(range(150, 250))] and cache.stored_tokens == 100
-    assert counts(cache) == counts(rebuilt(cache))
-    assert set(cache.trie.root.older) == set(range(151, 249))  # ends 2..99; no 1 is left
-    assert all(isinstance(c, _Tail) for c in cache.trie.root.older.values())   # novel: no splits
 
 
 def test_a_copied_index_is_independent():
@@ -224,8 +141,8 @@ def test_a_copied_index_is_independent():
 
 def test_a_dropped_index_is_freed_without_the_garbage_collector():
     """An index whose trie held a method of the index was a reference cycle: its thousands of nodes
-    waited for a gen-2 collection, 50-120 ms inside a decode step, which the adaptive step then
-    took for the cost of the arm it had run."""
+    waited for a gen-2 collection inside a decode step, which the adaptive step then took for the
+    cost of the arm it had run."""
     import gc
     gc.collect()
     was = gc.isenabled()

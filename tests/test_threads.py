@@ -213,16 +213,16 @@ def test_hand_over_leaves_one_thread_with_an_openmp_team():
 
 
 def test_the_servers_workers_hand_over_the_cores(monkeypatch):
-    """Both engine workers hand the cores over as they start (before their thread runs a step)."""
+    """The engine worker hands the cores over as it starts (before its thread runs a step)."""
     import asyncio
     from eagle3.serve import queue
     calls = []
     monkeypatch.setattr(queue, "hand_over_cores", lambda: calls.append(1) or True)
 
-    class Engine:
-        target = tokenizer = None
+    class Scheduler:
+        has_work = False
 
-    worker = queue.EngineWorker(Engine(), max_queue=1)
+    worker = queue.EngineWorker(Scheduler(), max_queue=1)
 
     async def cycle():
         await worker.start()

@@ -5,7 +5,7 @@ import pytest
 
 from eagle3.train.config import TrainConfig
 from eagle3.train.data import select_prompts
-from eagle3.train.real import load_samples
+from eagle3.train.real import load_data
 from eagle3.train.regen import RegenJob, write_dataset_responses
 
 
@@ -84,14 +84,13 @@ def test_data_files_are_read_in_order(tmp_path):
     files = two_data_files(tmp_path)
     cfg = TrainConfig.from_dict({"data": files, "out": str(tmp_path / "run")})
     assert cfg.data_paths == [tmp_path / "c0.jsonl", tmp_path / "c1.jsonl"]
-    assert [int(s.ids[-1]) for s in load_samples(cfg)] == [0, 1, 2, 10, 11, 12]
+    assert [int(s.ids[-1]) for s in load_data(cfg)[0]] == [0, 1, 2, 10, 11, 12]
     assert TrainConfig(data=files[0]).data_paths == [tmp_path / "c0.jsonl"]
 
 
 def test_a_resumed_run_keeps_its_files_counts_and_refuses_other_files(tmp_path):
     import torch
     from eagle3.errors import ContractError
-    from eagle3.train.real import load_data
     from eagle3.train.store import part_name
     files = two_data_files(tmp_path)
     cfg = TrainConfig.from_dict({"data": files[:1], "eval_data": files[1], "out": str(tmp_path / "run")})

@@ -126,6 +126,11 @@ def reference_tree(per_level: list[torch.Tensor], spec: SpecParams):
 
 
 # ---------------------------------------------------------------------------- layout
+def leaf_paths(tree) -> list[list[int]]:
+    """Root-to-leaf index lists, from the tree's paths and leaf flags."""
+    return [[t for t in row if t >= 0] for row in tree.paths[tree.is_leaf].tolist()]
+
+
 def test_hand_made_tree_layout():
     #        0
     #      1   2
@@ -135,7 +140,7 @@ def test_hand_made_tree_layout():
     tree = build_tree(torch.arange(10, 16), parents, prefix_len=7, max_depth=3)
     assert tree.depth.tolist() == [0, 1, 1, 2, 3, 2]
     assert tree.positions.tolist() == [7, 8, 8, 9, 10, 9]
-    assert tree.leaf_paths() == [[0, 1, 3, 4], [0, 2, 5]]
+    assert leaf_paths(tree) == [[0, 1, 3, 4], [0, 2, 5]]
     assert tree.is_leaf.tolist() == [False, False, False, False, True, True]
     assert tree.mask[4].tolist() == [True, True, False, True, True, False]
     assert tree.mask[5].tolist() == [True, False, True, False, False, True]
@@ -154,4 +159,4 @@ def test_random_trees_mask_is_ancestry_positions_are_depth_paths_are_root_to_lea
             assert int(tree.positions[t]) == 100 + len(path) - 1
             assert [i for i in tree.paths[t].tolist() if i >= 0] == path
         leaves = [t for t in range(size) if t not in parents]
-        assert tree.leaf_paths() == [paths[t] for t in leaves]
+        assert leaf_paths(tree) == [paths[t] for t in leaves]

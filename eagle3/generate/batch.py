@@ -7,8 +7,8 @@ A step:  admit waiting requests into free slots (arrival order, up to max_batch 
          several steps, so the decoding requests keep getting a token every step)
       -> one forward -> per request whose block ended its prompt or decoded: sample with its own
          SamplingParams and generator (sampling.sample_each: one call per group of rows with the
-         same settings, each row's token as alone) -> eos / stop strings / max tokens as
-         Engine.run -> Chunk
+         same settings, each row's token as alone) -> its Output (output.py: eos / stop
+         strings / max tokens, as alone) -> Chunk
       -> a finished request frees its slot before the next step; cancel() frees one at once.
 
 Each request's output equals its Engine output alone (greedy and seeded sampling) where the layout
@@ -21,21 +21,20 @@ be its verify tree: SlotRows already lets blocks differ in rows).
 
 Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that
 is admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches
-(its SpecDecoder and adaptive policy: the single-stream speed of a speculative server). When
+(an Engine Run: its SpecDecoder and adaptive policy, emitting through the request's Output). When
 another request arrives it is preempted after its current step and joins the batch: its slot takes
 the solo cache's k/v of its prompt and output so far (a copy, no forward; on a layout that is not
 row-stable they are prefilled into the slot in chunks, without emitting), and it decodes plainly
-with the others from its last token on. A greedy output is the same either way (speculation is lossless, the layout row-stable);
-sampled requests never go solo, so a seeded output never depends on the load. One request decodes
-alone on the solo engine at most; the batch never waits for speculation.
+with the others from its last token on. A greedy output is the same either way (speculation is
+lossless, the layout row-stable); sampled requests never go solo, so a seeded output never depends
+on the load. One request decodes alone on the solo engine at most; the batch never waits for
+speculation.
 """
 from __future__ import annotations
 
-import itertools
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -43,36 +42,29 @@ from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
-from .engine import check_length, take_tokens
-from .text import TextStream
-from .types import Chunk, GenerationResult
+from .engine import Run
+from .output import Output
+from .scheduler import Emitted, Request, Scheduler
 
-DEFAULT_MAX_BATCH = 8       # an 8-row forward costs ~1.35x a one-row forward here (bf16 kernels)
+DEFAULT_MAX_BATCH = 8       # a few rows more per forward cost little next to one row (bf16 kernels)
 PREFILL_CHUNK = 64          # prompt tokens per step, over all prefilling requests
 PREFIX_CACHE_TOKENS = 4096  # prompt tokens whose k/v are kept for later prompts (0: off)
 PREFIX_MIN = 8              # shorter shared prefixes are prefilled (a copy saves too little)
 
 
 @dataclass(eq=False)
-class BatchRequest:
+class BatchRequest(Request):
     """One request's state in the scheduler (read-only outside it)."""
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    text: TextStream
-    gen: torch.Generator
-    stop_ids: frozenset[int]
-    arrived: float = field(default_factory=time.perf_counter)
+    gen: Optional[torch.Generator] = None       # its sampling generator
     slot: Optional[int] = None
     fed: int = 0                    # tokens (prompt, then output) whose k/v are in the slot
-    decoder: Optional[object] = None    # its SpecDecoder while it decodes alone (solo)
+    solo: Optional[Run] = None      # its Run on the solo engine while it decodes alone
     solo_steps: int = 0             # decode steps it ran speculatively alone
-    cached_tokens: int = 0          # prompt tokens whose k/v came from the prefix cache
     prefix_seen: bool = False       # looked up in the prefix cache (once, before its prefill)
-    out_ids: list[int] = field(default_factory=list)
-    steps: list[Step] = field(default_factory=list)
-    ttft_s: float = 0.0
-    finish: Optional[str] = None    # "stop" | "length" | "cancelled"
+
+    @property
+    def out_ids(self) -> list[int]:
+        return self.output.ids
 
     @property
     def context_len(self) -> int:
@@ -90,17 +82,8 @@ class BatchRequest:
         n = len(self.prompt_ids)
         return (self.prompt_ids[start:min(end, n)] + self.out_ids[max(start - n, 0):max(end - n, 0)])
 
-    @property
-    def done(self) -> bool:
-        return self.finish is not None
 
-
-class Emitted(NamedTuple):
-    request: BatchRequest
-    chunk: Chunk
-
-
-class BatchScheduler:
+class BatchScheduler(Scheduler):
     def __init__(self, target, tokenizer, eos_ids: set[int], max_batch: int = DEFAULT_MAX_BATCH,
                  max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
@@ -114,8 +97,8 @@ class BatchScheduler:
         if not hasattr(target, "forward_rows"):
             raise InputError(f"{type(target).__name__} has no batched forward (forward_rows): "
                              "batching needs the native inference layout; use max_batch 1")
-        self.target, self.tokenizer, self.eos_ids = target, tokenizer, frozenset(eos_ids)
-        self.max_batch, self.max_model_len, self.prefill_chunk = max_batch, max_model_len, prefill_chunk
+        super().__init__(max_batch, tokenizer, eos_ids, max_model_len)
+        self.target, self.prefill_chunk = target, prefill_chunk
         if solo is not None and (not solo.speculative or solo.target is not target):
             raise InputError("the solo engine must be speculative (a draft) on the batch's own target")
         self.solo = solo
@@ -124,9 +107,6 @@ class BatchScheduler:
         self.row_stable = bool(getattr(getattr(target, "backend", None), "row_stable", False))
         self.prefixes = (PrefixStore(prefix_cache_tokens) if self.row_stable and prefix_cache_tokens
                          else None)
-        self.waiting: deque[BatchRequest] = deque()
-        self.running: list[BatchRequest] = []          # admission order
-        self._ids = itertools.count()
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
@@ -138,33 +118,14 @@ class BatchScheduler:
                    prefix_cache_tokens=prefix_cache_tokens)
 
     # ------------------------------------------------------------------ requests
-    def add(self, prompt_ids: list[int], params: SamplingParams = SamplingParams()) -> BatchRequest:
-        """Queue a request; it joins the batch at the next step with a free slot."""
-        check_length(len(prompt_ids), params.max_new_tokens, self.max_model_len)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        req = BatchRequest(next(self._ids), list(prompt_ids), params,
-                           TextStream(self.tokenizer, params.stop),
-                           params.generator(self.target.device), frozenset(stop_ids))
-        self.waiting.append(req)
-        return req
+    def _request(self, rid: int, prompt_ids: list[int], params: SamplingParams,
+                 output: Output) -> BatchRequest:
+        return BatchRequest(rid, prompt_ids, params, output, params.generator(self.target.device))
 
-    def cancel(self, req: BatchRequest) -> None:
-        """Stop a request now: its slot is free for the next step (no further chunks)."""
-        if req.done:
-            return
-        req.finish = "cancelled"
-        if req in self.waiting:
-            self.waiting.remove(req)
+    def _drop(self, req: BatchRequest) -> None:
+        """Cancelled: its slot is free for the next step."""
         self._end_solo(req)
         self._retire(req)
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
-
-    @property
-    def free_slots(self) -> int:
-        return self.max_batch - len(self.running)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[Emitted]:
@@ -173,7 +134,7 @@ class BatchScheduler:
         self._admit()
         if not self.running:
             return []
-        solo = [r for r in self.running if r.decoder is not None]
+        solo = [r for r in self.running if r.solo is not None]
         if solo and (len(self.running) > 1 or self.waiting):
             self._end_solo(solo[0])               # company: it joins the batch from its last token
         elif solo or self._may_go_solo():
@@ -193,7 +154,7 @@ class BatchScheduler:
                 ready.append((i, req))
         tokens = sample_each(logits[[i for i, _ in ready]], [r.params for _, r in ready],
                              [r.gen for _, r in ready]) if ready else []
-        emitted = [Emitted(req, self._emit_step(req, Step([token], 0, verify_s=step_s)))
+        emitted = [Emitted(req, req.output.push(Step([token], 0, verify_s=step_s)))
                    for (_, req), token in zip(ready, tokens)]
         for req in [r for r in self.running if r.done]:
             self._retire(req)
@@ -209,16 +170,11 @@ class BatchScheduler:
 
     def _solo_step(self, req: BatchRequest) -> list[Emitted]:
         """The prefill (first call) or one speculative step on the solo engine's caches."""
-        engine = self.solo
-        if req.decoder is None:
-            req.decoder = engine.make_decoder(req.params)
-            step = req.decoder.prefill(req.prompt_ids, req.params.max_new_tokens)
+        if req.solo is None:
+            req.solo = self.solo.start(req.prompt_ids, req.params, output=req.output)
         else:
-            step = engine.decode_step(req.decoder)
             req.solo_steps += 1
-            if engine.monitor is not None:
-                engine.monitor.observe(step)
-        chunk = self._emit_step(req, step)
+        chunk = req.solo.step()
         if req.done:
             self._end_solo(req)
             self._retire(req)
@@ -229,18 +185,17 @@ class BatchScheduler:
         far (what a prefill of them would write, bit for bit on a row-stable layout: the verify
         forwards computed each kept row as one-token decoding does); where that cache does not
         hold exactly those tokens, they are prefilled into the slot (chunked, not emitted)."""
-        if req.decoder is None:
+        if req.solo is None:
             return
         if self._can_copy(req):
-            self.cache.load(req.slot, req.decoder.cache, req.context_len)
+            self.cache.load(req.slot, req.solo.decoder.cache, req.context_len)
             req.fed = req.context_len
-        req.decoder = None
-        if self.solo.governor is not None:
-            self.solo.governor.restore()
+        req.solo.close()
+        req.solo = None
 
     def _can_copy(self, req: BatchRequest) -> bool:
         """The solo cache holds exactly the tokens the slot needs, computed as the batch would."""
-        cache = getattr(req.decoder, "cache", None)
+        cache = getattr(req.solo.decoder, "cache", None)
         return (self.row_stable and not req.done and req.slot is not None and req.fed == 0
                 and cache is not None and cache.length == req.context_len)
 
@@ -258,8 +213,8 @@ class BatchScheduler:
         for r in self.running:          # a fresh prompt starts from the longest cached prefix
             if self.prefixes is not None and r.fed == 0 and not r.out_ids and not r.prefix_seen:
                 r.prefix_seen = True
-                r.fed = r.cached_tokens = self.prefixes.load(self.cache, r.slot, r.prompt_ids,
-                                                             len(r.prompt_ids) - 1, PREFIX_MIN)
+                r.fed = r.output.cached_tokens = self.prefixes.load(
+                    self.cache, r.slot, r.prompt_ids, len(r.prompt_ids) - 1, PREFIX_MIN)
         budget = self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:
@@ -267,24 +222,6 @@ class BatchScheduler:
                 blocks.append((r, ids, False))
                 budget -= len(ids)
         return blocks
-
-    def _emit_step(self, req: BatchRequest, step: Step) -> Chunk:
-        """Take a step's tokens up to a stop id or max tokens (as Engine.run), then stop strings."""
-        req.steps.append(step)
-        new, finish = take_tokens(step, req.out_ids, req.stop_ids, req.params.max_new_tokens)
-        req.out_ids.extend(new)
-        from_draft = [i < step.accepted for i in range(len(new))]
-        delta = req.text.push(new)
-        if req.text.stopped:
-            finish = "stop"
-        req.ttft_s = req.ttft_s or time.perf_counter() - req.arrived
-        if finish is None:
-            return Chunk(delta, new, from_draft, step=step)
-        req.finish = finish
-        delta += req.text.flush()
-        result = GenerationResult(req.text.text, req.out_ids, len(req.prompt_ids), finish, req.steps,
-                                  time.perf_counter() - req.arrived, req.ttft_s, req.cached_tokens)
-        return Chunk(delta, new, from_draft, finish, result, step)
 
     def _retire(self, req: BatchRequest) -> None:
         if req.slot is not None:

@@ -2,35 +2,25 @@
 
 An Engine owns a target (and optionally a draft), their preallocated caches and the tokenizer. It
 serves one sequence at a time; `stream` yields Chunks, `generate` collects them into a
-GenerationResult. The per-step token source is a Decoder: PlainDecoder, or the speculative decoder
-from eagle3.speculative when a draft is attached, or a policy of suffix-only blocks without one.
+GenerationResult, `start` gives the same request as a Run, a step at a time (how the schedulers
+drive it). Every step's tokens become a Chunk through the request's Output (output.py). The
+per-step token source is a Decoder: PlainDecoder, or the speculative decoder from
+eagle3.speculative when a draft is attached, or a policy of suffix-only blocks without one.
 """
 from __future__ import annotations
 
-import time
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
-from ..errors import InputError
 from .plain import PlainDecoder
 from ..sampling import SamplingParams
-from .text import TextStream, encode_prompt
+from .output import Output, check_length
+from .text import encode_prompt
 from ..speculative.step import Step
 from ..threads import ThreadGovernor, governor_enabled
 from .types import Chunk, Decoder, GenerationResult
 
 if TYPE_CHECKING:
     from ..speculative.policy import AdaptivePolicy
-
-
-def check_length(prompt_len: int, max_new_tokens: int, max_model_len: int) -> None:
-    """InputError unless a prompt is given and it fits the context with max_new_tokens."""
-    if prompt_len == 0:
-        raise InputError("empty prompt: give some text or chat messages")
-    if prompt_len + max_new_tokens > max_model_len:
-        raise InputError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = "
-            f"{prompt_len + max_new_tokens} exceeds the context ({max_model_len} tokens); "
-            "shorten the prompt or lower max_new_tokens")
 
 
 class Engine:
@@ -89,8 +79,18 @@ class Engine:
                prompt_ids: Optional[list[int]] = None, speculative: bool = True) -> Iterator[Chunk]:
         ids = list(prompt_ids) if prompt_ids is not None else self.encode(prompt, messages, chat)
         self.check_length(len(ids), params.max_new_tokens)
-        decoder = self.make_decoder(params, speculative)
-        yield from self.run(decoder, ids, params)
+        run = self.start(ids, params, speculative)
+        try:
+            while not run.done:
+                yield run.step()
+        finally:
+            run.close()
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, speculative: bool = True,
+              output: Optional[Output] = None) -> "Run":
+        """A request on this engine, run a step at a time (its length is checked by the caller)."""
+        output = output or Output(self.tokenizer, params, self.eos_ids, len(prompt_ids))
+        return Run(self, self.make_decoder(params, speculative), prompt_ids, output)
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         check_length(prompt_len, max_new_tokens, self.max_model_len)
@@ -107,44 +107,7 @@ class Engine:
             return None
         return self.policies[params.greedy]
 
-    # ------------------------------------------------------------------ the loop
-    def run(self, decoder: Decoder, prompt_ids: list[int], params: SamplingParams) -> Iterator[Chunk]:
-        """prefill -> step ... ; cut at eos / stop strings / max_new_tokens; yield text deltas."""
-        text = TextStream(self.tokenizer, params.stop)
-        stop_ids = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
-        out_ids: list[int] = []
-        steps: list[Step] = []
-        t0 = time.perf_counter()
-        ttft = 0.0
-        try:
-            for step in self._steps(decoder, prompt_ids, params.max_new_tokens):
-                steps.append(step)
-                if self.monitor is not None and len(steps) > 1:
-                    self.monitor.observe(step)
-                new, finish = take_tokens(step, out_ids, stop_ids, params.max_new_tokens)
-                out_ids.extend(new)
-                delta = text.push(new)
-                if text.stopped:
-                    finish = "stop"
-                ttft = ttft or time.perf_counter() - t0
-                from_draft = [i < step.accepted for i in range(len(new))]
-                if finish:
-                    delta += text.flush()
-                    result = GenerationResult(text.text, out_ids, len(prompt_ids), finish, steps,
-                                              time.perf_counter() - t0, ttft)
-                    yield Chunk(delta, new, from_draft, finish, result, step)
-                    return
-                yield Chunk(delta, new, from_draft, step=step)
-        finally:
-            if self.governor is not None:
-                self.governor.restore()
-
-    def _steps(self, decoder: Decoder, prompt_ids: list[int], max_new_tokens: int) -> Iterator[Step]:
-        """The prefill, then decode steps, each on the thread count the governor chooses."""
-        yield decoder.prefill(prompt_ids, max_new_tokens)
-        while True:
-            yield self.decode_step(decoder)
-
+    # ------------------------------------------------------------------ a step
     def decode_step(self, decoder: Decoder) -> Step:
         """One decode step on the thread count the governor chooses (also the batch's solo steps).
         The governor's probe of another thread count and the adaptive step's probe of another arm
@@ -160,14 +123,30 @@ class Engine:
         return step
 
 
-def take_tokens(step: Step, out_ids: list[int], stop_ids: set[int] | frozenset[int],
-                max_new: int) -> tuple[list[int], Optional[str]]:
-    """Tokens of this step that are emitted, and the finish reason if generation ends here."""
-    new: list[int] = []
-    for tok in step.tokens:
-        if tok in stop_ids:
-            return new, "stop"
-        new.append(tok)
-        if len(out_ids) + len(new) >= max_new:
-            return new, "length"
-    return new, None
+class Run:
+    """One request on an Engine: the prefill on the first `step`, a decode step on each later one,
+    every step's Chunk from the request's Output. It ends itself at its last chunk; `close` ends it
+    early (the thread governor gives the cores back either way)."""
+
+    def __init__(self, engine: Engine, decoder: Decoder, prompt_ids: list[int], output: Output):
+        self.engine, self.decoder, self.prompt_ids, self.output = engine, decoder, prompt_ids, output
+
+    @property
+    def done(self) -> bool:
+        return self.output.done
+
+    def step(self) -> Chunk:
+        if not self.output.steps:
+            step = self.decoder.prefill(self.prompt_ids, self.output.max_new_tokens)
+        else:
+            step = self.engine.decode_step(self.decoder)
+            if self.engine.monitor is not None:
+                self.engine.monitor.observe(step)
+        chunk = self.output.push(step)
+        if self.output.done:
+            self.close()
+        return chunk
+
+    def close(self) -> None:
+        if self.engine.governor is not None:
+            self.engine.governor.restore()

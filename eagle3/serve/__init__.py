@@ -1,5 +1,6 @@
-"""OpenAI-compatible server: app (routes, SSE), protocol (request models, errors), queue (asyncio
-queue + engine thread), metrics (Prometheus), highlight (draft-token spans), cli (`eagle3 serve`).
+"""OpenAI-compatible server: app (routes, SSE), protocol (request models, errors), queue (bounded
+queue + the engine thread driving a scheduler), metrics (Prometheus), highlight (draft-token
+spans), cli (`eagle3 serve`).
 
 Import cost: fastapi/uvicorn are imported only when the server is built.
 """

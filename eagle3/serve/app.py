@@ -39,11 +39,12 @@ from starlette.requests import ClientDisconnect
 
 from ..errors import Eagle3Error, InputError
 from ..generate import encode_prompt
-from ..generate.batch import PREFILL_CHUNK, PREFIX_CACHE_TOKENS
+from ..generate.batch import PREFILL_CHUNK, PREFIX_CACHE_TOKENS, BatchScheduler
+from ..generate.serial import SerialScheduler
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
                        requested_max_tokens, sampling_params)
-from .queue import BatchWorker, EngineWorker, Job, QueueFull
+from .queue import EngineWorker, Job, QueueFull
 from .response import EventStream, Generation
 
 log = logging.getLogger("eagle3.serve")
@@ -63,7 +64,7 @@ def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = N
                max_batch: int = 1, prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> FastAPI:
     """An app serving `engine` (an eagle3.generate.Engine). Start it with its lifespan (uvicorn or
     `with TestClient(app)`): the lifespan starts and stops the engine worker. max_batch > 1 decodes
-    up to that many requests together (continuous batching, serve.queue.BatchWorker); with a
+    up to that many requests together (continuous batching, generate.batch.BatchScheduler); with a
     speculative engine a greedy request that runs alone decodes speculatively (batch_mode), and a
     prompt that starts like a recent one reuses those tokens' k/v (prefix_cache_tokens, 0: off)."""
     server = Server(engine, model_name, api_key, max_queue, max_body_bytes, max_batch,
@@ -137,12 +138,12 @@ class Server:
         log.info("%s", self.mode)
         on_step = lambda step: self.metrics.observe_steps([step])     # noqa: E731
         if self.max_batch > 1:
-            self.worker = BatchWorker(engine, max_queue, self.max_batch, self.after_job, on_step,
-                                      prefix_cache_tokens)
-            log.info("prefix cache: %s", prefix_cache_state(self.worker.scheduler, prefix_cache_tokens))
+            scheduler = BatchScheduler.from_engine(engine, self.max_batch,
+                                                   prefix_cache_tokens=prefix_cache_tokens)
+            log.info("prefix cache: %s", prefix_cache_state(scheduler, prefix_cache_tokens))
         else:
-            self.worker = EngineWorker(engine, max_queue, after_job=self.after_job,
-                                       on_decode_step=on_step)
+            scheduler = SerialScheduler(engine)
+        self.worker = EngineWorker(scheduler, max_queue, self.after_job, on_step)
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
         self.created = int(time.time())
@@ -387,8 +388,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
         server.check_auth(request)
-        reset = getattr(server.worker, "reset_prefix_cache", None)
-        return JSONResponse({"reset": bool(reset and reset())})
+        return JSONResponse({"reset": server.worker.reset_prefix_cache()})
 
 
 def add_error_handlers(app: FastAPI) -> None:

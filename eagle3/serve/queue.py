@@ -1,12 +1,13 @@
-"""A bounded queue in front of the engine, in its own thread: EngineWorker serves one sequence at a
-time (--max-batch 1, or a target without a batched forward); BatchWorker (at the end) decodes up
-to max_batch sequences together (continuous batching; with a draft, speculative when one runs alone).
+"""A bounded queue and one engine thread in front of a scheduler (generate.scheduler.Scheduler):
+SerialScheduler serves one sequence at a time (--max-batch 1, or a target without a batched
+forward); BatchScheduler decodes up to max_batch sequences together (continuous batching; with a
+draft, speculative when one runs alone).
 
-Request handlers put Jobs on a bounded asyncio.Queue (full -> QueueFull, answered 503). One consumer
-task takes them in arrival order and runs each in a single worker thread, which iterates
-`engine.stream(...)` and hands every Chunk back to the event loop through the job's own asyncio
-queue, then END. A job's `cancelled` event (set when its client disconnects) is checked between
-chunks: the generation stops within one engine step and the engine moves to the next job.
+Request handlers submit Jobs; past max_queue waiting jobs, QueueFull (answered 503). The engine
+thread admits waiting jobs into the scheduler's free slots between steps, runs scheduler steps
+while any request is running, and hands each job its own Chunks (its stream), then END. A job's
+`cancelled` event (set when its client disconnects) is checked before every step: its request
+stops and frees its slot before the next forward.
 """
 from __future__ import annotations
 
@@ -15,13 +16,12 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
 from ..errors import InputError
 from ..generate import Chunk, SamplingParams, Step
-from ..generate.batch import PREFIX_CACHE_TOKENS
+from ..generate.scheduler import Request, Scheduler
 from ..threads import hand_over_cores
 
 log = logging.getLogger("eagle3.serve")
@@ -41,6 +41,7 @@ class Job:
     arrived: float = field(default_factory=time.perf_counter)
     out: asyncio.Queue = field(default_factory=asyncio.Queue)   # Chunk | Exception | END
     cancelled: threading.Event = field(default_factory=threading.Event)
+    admitted: float = 0.0           # when the scheduler took it (engine thread)
 
     def push(self, item: Union[Chunk, Exception, object]) -> None:
         """Thread-safe hand-over to the event loop (dropped if the loop has already closed)."""
@@ -59,14 +60,13 @@ def _put_all(items: list[tuple[Job, object]]) -> None:
 
 
 class Outbox:
-    """Items for several jobs handed to their event loop in one wake-up: a batch step's chunks
-    (16 streams at ~30 tokens/s each were ~500 cross-thread wake-ups a second, each a context
-    switch on the cores the forward uses)."""
+    """Items for several jobs handed to their event loop in one wake-up: a step's chunks for every
+    running request (a wake-up per chunk is a context switch on the cores the forward uses)."""
 
     def __init__(self):
         self.items: list[tuple[Job, object]] = []
 
-    def add(self, job: Job, item: object) -> None:
+    def add(self, job: Job, item: Union[Chunk, Exception, object]) -> None:
         self.items.append((job, item))
 
     def flush(self) -> None:
@@ -83,130 +83,21 @@ class Outbox:
 
 
 class EngineWorker:
-    def __init__(self, engine, max_queue: int, after_job: Optional[Callable[[], None]] = None,
+    """The one engine thread and its bounded queue (see the module docstring)."""
+
+    def __init__(self, scheduler: Scheduler, max_queue: int,
+                 after_job: Optional[Callable[[], None]] = None,
                  on_decode_step: Optional[Callable[[Step], None]] = None):
         if max_queue < 1:
             raise InputError(f"max_queue must be >= 1, got {max_queue}")
-        self.engine, self.max_queue = engine, max_queue
+        self.scheduler, self.max_queue = scheduler, max_queue
         self.after_job = after_job     # called in the engine thread after each job, before END
         # called in the engine thread with every decode step the engine ran, those of cancelled
         # jobs included: the same steps the engine's acceptance monitor observes
         self.on_decode_step = on_decode_step
-        self.queue: Optional[asyncio.Queue] = None
-        self.running: Optional[Job] = None
-        self.mean_job_s = 1.0          # moving average of job wall time (for Retry-After)
-        self._executor: Optional[ThreadPoolExecutor] = None
-        self._task: Optional[asyncio.Task] = None
-
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self) -> None:
-        hand_over_cores()          # the engine thread must be the one thread with an OpenMP team
-        self.queue = asyncio.Queue(maxsize=self.max_queue)
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="eagle3-engine")
-        self._task = asyncio.create_task(self._consume(), name="eagle3-engine-queue")
-
-    async def stop(self) -> None:
-        """Cancel every job (the running one stops at its next chunk) and end the consumer."""
-        if self._task is None:
-            return
-        if self.running is not None:
-            self.running.cancel()
-        while not self.queue.empty():
-            self.queue.get_nowait().cancel()
-        self._task.cancel()
-        try:
-            await self._task
-        except asyncio.CancelledError:
-            pass
-        self._executor.shutdown(wait=False, cancel_futures=True)
-        self._task = None
-
-    # ------------------------------------------------------------------ queue
-    @property
-    def waiting(self) -> int:
-        return self.queue.qsize() if self.queue is not None else 0
-
-    @property
-    def busy(self) -> int:
-        return int(self.running is not None)
-
-    def submit(self, job: Job) -> None:
-        if self.queue is None:
-            raise RuntimeError("the engine worker is not started (run the app with its lifespan)")
-        try:
-            self.queue.put_nowait(job)
-        except asyncio.QueueFull:
-            raise QueueFull() from None
-
-    def retry_after_s(self) -> int:
-        return int(min(60, max(1, round(self.mean_job_s * (self.waiting + 1)))))
-
-    async def _consume(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            job = await self.queue.get()
-            if job.cancelled.is_set():
-                job.push(END)
-                continue
-            self.running = job
-            t0 = time.perf_counter()
-            try:
-                await loop.run_in_executor(self._executor, self._run, job)
-            finally:
-                self.running = None
-                self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - t0)
-
-    # ------------------------------------------------------------------ worker thread
-    def _run(self, job: Job) -> None:
-        stream = self.engine.stream(prompt_ids=job.prompt_ids, params=job.params)
-        try:
-            for i, chunk in enumerate(stream):
-                if i and self.on_decode_step is not None:
-                    self.on_decode_step(chunk.step)
-                job.push(chunk)
-                if job.cancelled.is_set():
-                    break
-        except Exception as e:          # handed to the request, which answers with an error
-            log.exception("generation failed")
-            job.push(e)
-        finally:
-            stream.close()
-            self._after_job()
-            job.push(END)
-
-    def _after_job(self) -> None:
-        if self.after_job is not None:
-            try:
-                self.after_job()
-            except Exception:
-                log.exception("after-job hook failed")
-
-
-class BatchWorker:
-    """Continuous batching in front of an engine (generate.batch.BatchScheduler): plain rows for a
-    batch; with a draft, a greedy request that runs alone decodes speculatively until another comes.
-
-    Requests wait in a bounded queue (full -> QueueFull, answered 503) until a batch slot is free;
-    one engine thread runs scheduler steps while any request is running, admitting waiting jobs
-    between steps and handing each job its own Chunks (its stream), then END. A job's `cancelled`
-    event is checked before every step: its slot is freed before the next forward.
-    Same interface to the app as EngineWorker (start, stop, submit, waiting, busy, retry_after_s).
-    """
-
-    def __init__(self, engine, max_queue: int, max_batch: int,
-                 after_job: Optional[Callable[[], None]] = None,
-                 on_decode_step: Optional[Callable[[Step], None]] = None,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
-        from ..generate.batch import BatchScheduler
-        if max_queue < 1:
-            raise InputError(f"max_queue must be >= 1, got {max_queue}")
-        self.engine, self.max_queue, self.max_batch = engine, max_queue, max_batch
-        self.scheduler = BatchScheduler.from_engine(engine, max_batch,
-                                                    prefix_cache_tokens=prefix_cache_tokens)
-        self.after_job, self.on_decode_step = after_job, on_decode_step
         self.pending: deque[Job] = deque()          # guarded by _wake
-        self.jobs: dict[int, Job] = {}              # request id -> job (engine thread only)
-        self.mean_job_s = 1.0
+        self.jobs: dict[Request, Job] = {}          # engine thread only
+        self.mean_job_s = 1.0          # moving average of a job's time in the scheduler
         self._wake = threading.Condition()
         self._stopping = False
         self._reset_prefixes = False                # guarded by _wake: empty them before a step
@@ -264,7 +155,8 @@ class BatchWorker:
 
     def retry_after_s(self) -> int:
         # max_batch jobs run at once: the queue drains max_batch times faster than one at a time
-        return int(min(60, max(1, round(self.mean_job_s * (self.waiting / self.max_batch + 1)))))
+        batch = self.scheduler.max_batch
+        return int(min(60, max(1, round(self.mean_job_s * (self.waiting / batch + 1)))))
 
     # ------------------------------------------------------------------ engine thread
     def _serve(self) -> None:
@@ -273,12 +165,14 @@ class BatchWorker:
             try:
                 emitted = self.scheduler.step()
             except Exception as e:     # handed to every running request, which answers with an error
-                log.exception("batched generation failed")
-                self._fail_running(e)
+                log.exception("generation failed")
+                self._end_running(e)
                 continue
             for request, chunk in emitted:
                 self._deliver(request, chunk)
             self.outbox.flush()                     # the step's chunks: one wake-up of the loop
+        for request in list(self.jobs):             # stopping: the scheduler lets them go
+            self.scheduler.cancel(request)
 
     def _next_jobs(self) -> bool:
         """Wait for work; admit pending jobs into free slots. False once stopping."""
@@ -294,42 +188,46 @@ class BatchWorker:
             admitted = [self.pending.popleft()
                         for _ in range(min(len(self.pending), self.scheduler.free_slots))]
         for job in admitted:
-            if job.cancelled.is_set():
-                job.push(END)
-                continue
-            try:
-                request = self.scheduler.add(job.prompt_ids, job.params)
-            except Exception as e:     # checked by the app already: a request the engine refuses
-                job.push(e)
-                job.push(END)
-                continue
-            self.jobs[request.id] = job
+            self._admit(job)
         return True
 
+    def _admit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            self.outbox.add(job, END)
+            return
+        try:
+            request = self.scheduler.add(job.prompt_ids, job.params)
+        except Exception as e:         # checked by the app already: a request the engine refuses
+            self.outbox.add(job, e)
+            self.outbox.add(job, END)
+            return
+        job.admitted = time.perf_counter()
+        self.jobs[request] = job
+
     def _drop_cancelled(self) -> None:
-        for request in list(self.scheduler.running):
-            if self.jobs[request.id].cancelled.is_set():
+        for request, job in list(self.jobs.items()):
+            if job.cancelled.is_set():
                 self.scheduler.cancel(request)
                 self._finish(request)
         self.outbox.flush()
 
-    def _deliver(self, request, chunk: Chunk) -> None:
-        if len(request.steps) > 1 and self.on_decode_step is not None:   # steps[0]: the prefill
+    def _deliver(self, request: Request, chunk: Chunk) -> None:
+        if len(request.output.steps) > 1 and self.on_decode_step is not None:  # [0]: the prefill
             self.on_decode_step(chunk.step)
-        self.outbox.add(self.jobs[request.id], chunk)
+        self.outbox.add(self.jobs[request], chunk)
         if request.done:
             self._finish(request)
 
-    def _fail_running(self, e: Exception) -> None:
-        for request in list(self.scheduler.running):
-            self.outbox.add(self.jobs[request.id], e)
+    def _end_running(self, e: Exception) -> None:
+        for request in list(self.jobs):
+            self.outbox.add(self.jobs[request], e)
             self.scheduler.cancel(request)
             self._finish(request)
         self.outbox.flush()
 
-    def _finish(self, request) -> None:
-        job = self.jobs.pop(request.id)
-        self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.arrived)
+    def _finish(self, request: Request) -> None:
+        job = self.jobs.pop(request)
+        self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.admitted)
         if self.after_job is not None:
             try:
                 self.after_job()

@@ -52,7 +52,7 @@ from ..models.kv_cache import KVCache
 from ..draft.model import DraftBase
 from .merge import SUFFIX, merge_suffix
 from .policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
-from .suffix import SuffixCache, SuffixIndex
+from .suffix import SuffixIndex
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
 from .verify import Acceptance, verify_greedy, verify_sampled
@@ -68,9 +68,8 @@ class DraftHead(NamedTuple):
 # nodes, at least half policy.suffix_only_tokens (the size before any) and at most SUFFIX_MAX_FACTOR
 # times it; past it only as far as both caches have room beyond the slack reserved at prefill. A
 # copy under way grows its blocks, a guess that failed shrinks them back. Replayed on the copy
-# workload's 40 greedy outputs with the verify times measured at ~1000 cached tokens
-# (scripts/suffix_budget_sim.py), suffix-only steps made 2.58x plain decoding's tokens per ms at a
-# fixed 15 nodes, 2.59x doubling after each block accepted whole, 2.72x with this rule.
+# workload's greedy outputs (scripts/suffix_budget_sim.py), this rule beat a fixed block size and
+# doubling after each block accepted whole.
 SUFFIX_GROWTH = 2
 SUFFIX_MAX_FACTOR = 4
 
@@ -87,7 +86,6 @@ class SpecDecoder:
 
     def __init__(self, target, draft: Optional[DraftBase], cache: KVCache, draft_cache: Optional[KVCache],
                  params: SamplingParams, spec: Optional[SpecParams] = None,
-                 suffix_cache: Optional[SuffixCache] = None,
                  policy: Optional[AdaptivePolicy] = None):
         self.target, self.draft, self.cache, self.draft_cache = target, draft, cache, draft_cache
         self.params, self.spec, self.policy = params, spec or SpecParams(), policy
@@ -110,8 +108,7 @@ class SpecDecoder:
         self.caught_up: Optional[tuple[int, float]] = None           # this step's catch-up: rows, ms
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
         self.head: Optional[DraftHead] = None
-        self.suffix_cache = suffix_cache            # consulted after the own sequence; the caller
-        self.suffix: Optional[SuffixIndex] = None   # adds finished sequences to it
+        self.suffix: Optional[SuffixIndex] = None   # over the prompt and the output so far
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
 
     @property
@@ -144,14 +141,14 @@ class SpecDecoder:
         self.root = sample_next(out.logits[0, -1], self.params, self.gen).view(1)
         t1 = time.perf_counter()
         # the draft's rows over the prompt wait like a plain step's: the first drafted tree catches
-        # up over them, and a request the policy decodes plainly never runs them (~11 ms of a
-        # ~100-token prompt on the codes, where plain steps win)
+        # up over them, and a request the policy decodes plainly never runs them (the draft's
+        # prefill is a cost on the GGUF codes, where plain steps win)
         self.head = None
         if self.draft is not None:
             self.pending = [(torch.cat([ids[1:], self.root]), self._features(out)[0])]
         root = int(self.root)
         if self.suffix_only_tokens or any(s.suffix_tokens for s in self.shapes):
-            self.suffix = SuffixIndex(cache=self.suffix_cache)
+            self.suffix = SuffixIndex()
             self.suffix.extend(list(prompt_ids) + [root])
         return Step([root], 0, draft_s=time.perf_counter() - t1, verify_s=t1 - t0)
 
@@ -175,8 +172,8 @@ class SpecDecoder:
         if self.caught_up is not None:
             # the draft's catch-up over rows that plain / suffix-only steps left is the price of
             # coming back to drafting, paid once per return whatever the shape: charged to the
-            # shape, it made every probe after a plain stretch look slow (a 100-row draft forward)
-            # and kept the policy on plain decoding where a shape paid (T=1, session 14)
+            # shape, it made every probe after a plain stretch look slow (a draft forward over the
+            # whole stretch) and kept the policy on plain decoding where a shape paid (T=1)
             rows, ms = self.caught_up
             self.policy.observe_catch_up(rows, ms)
             wall_ms -= ms

@@ -27,8 +27,8 @@ A drafting step after plain or suffix-only steps first runs the draft over the r
 (`SpecDecoder._catch_up`, one forward of that many rows). That is the price of returning to
 drafting, the same for every shape and growing with the stretch it follows; the decoder passes it
 to `observe_catch_up` and leaves it out of the step's wall time and levels, so a probe after a
-long plain stretch is judged by what the shape costs, not by the stretch (charged to the shape it
-was ~10 ms a probe at T=1, and plain decoding won every comparison it should have lost).
+long plain stretch is judged by what the shape costs, not by the stretch (charged to the shape, it
+made every probe at T=1 look slow, and plain decoding won every comparison it should have lost).
 
 overhead_ms (tree building, verification, bookkeeping) is the rolling wall time past the predicted
 forwards of the drafting steps, shared by the shapes; it is updated before the step's ratio is
@@ -42,10 +42,10 @@ found after a fallback. The first probe comes at step probe_every - 1; each prob
 interval to the next (up to max_probe_every), and the interval restarts at probe_every when the
 leading arm among the shapes and plain changes (a probe that changed the choice, or the averages
 moving). So a stable choice spends few steps on probes: at T=1, where plain wins most steps, a
-probe every 16 steps was a speculative step that did not pay. A first try and a probe each run
-`probe_steps` steps: sampled requests take SAMPLED_PROBE_STEPS, since one step's acceptance there is
-a coin flip (~0.3) and three single-step tries left a paying shape at "1.0 tokens a step" (24% of the
-time for a 0.31 shape) behind plain decoding, probed again only every 16..128 steps.
+probe at every base interval was a speculative step that did not pay. A first try and a probe each
+run `probe_steps` steps: sampled requests take SAMPLED_PROBE_STEPS, since one step's acceptance
+there is a coin flip, and single-step tries often left a paying shape at "1.0 tokens a step" behind
+plain decoding, probed again only a doubling interval later.
 Choosing never changes what is emitted: every arm is lossless.
 """
 from __future__ import annotations
@@ -68,20 +68,18 @@ Arm = Union[str, SpecParams]
 DEFAULT_SHAPES = (SpecParams(4, 5, 8, 0.05, suffix_tokens=8), SpecParams(4, 5, 8, 0.05),
                   SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
 # ... and for sampled requests: one level of 3 or 7 siblings, and the small tree. At T=1 the
-# shipped draft's second level is accepted at ~0.07 (MT-bench, 24 x 128), so a deep tree's levels
-# cost a draft forward each for almost nothing, while a node's siblings are all tried in one verify
-# row each (verify.py: P(accept) = the target's mass on the set): 3 siblings 0.31, 7 siblings 0.37,
-# a chain of one 0.20 (scripts/measure_tau.py --temperatures 1 --tree 3,1,4,0 etc.). Acceptance
-# steps are coin flips at ~0.35, so the averages remember longer (SAMPLED_MEMORY) than greedy's:
-# with 0.9 one short run of rejections sent the policy to plain decoding for a probe interval
-# (24 x 128 at T=1, bf16: 1.01x plain with 0.9, 1.08x with 0.97; the fixed 3-sibling tree 1.01-1.09x).
+# shipped draft's second level is rarely accepted, so a deep tree's levels cost a draft forward
+# each for almost nothing, while a node's siblings are all tried in one verify row each (verify.py:
+# P(accept) = the target's mass on the set), which beats a chain of one (scripts/measure_tau.py
+# --temperatures 1 --tree 3,1,4,0 etc.). Sampled acceptance is a coin flip step to step, so the
+# averages remember longer (SAMPLED_MEMORY) than greedy's: with greedy's memory one short run of
+# rejections sent the policy to plain decoding for a probe interval.
 SAMPLED_SHAPES = (SpecParams(3, 1, 4, 0.0), SpecParams(7, 1, 8, 0.0), SpecParams(2, 3, 4, 0.1, suffix_tokens=4))
 SAMPLED_MEMORY = 0.97
 # a target without a draft: suffix-only blocks or plain decoding, for greedy and sampled requests;
 # a block starts at half DRAFTLESS_SUFFIX_TOKENS and grows to 4x it while a copy runs
-# (SpecDecoder.suffix_only_budget), and needs a match of DRAFTLESS_MIN_MATCH tokens (copy
-# workload, 16 x 256, T=0, SmolLM2 codes: 16 / 2 1.62x plain, 8 / 2 1.68x, 8 / 4 1.80x, 16 / 5 1.80x;
-# Qwen2.5-Coder-0.5B: 16 / 2 1.25x, 8 / 4 1.27x, 16 / 4 1.18x; one run each, docs/bench.md)
+# (SpecDecoder.suffix_only_budget), and needs a match of DRAFTLESS_MIN_MATCH tokens (the pair that
+# did best on the copy workload for both benchmarked targets, docs/bench.md)
 DRAFTLESS_SUFFIX_TOKENS = 8
 DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4
@@ -105,8 +103,8 @@ class Rolling:
         """add(x), x first held within [value / factor, value * factor + floor] once a few values
         are in: one step held up by something else (a garbage-collector pass, the OS) moves the
         average by at most (factor - 1) x (1 - memory), while a lasting change is followed within
-        a few steps. Unbounded, one 120 ms plain step (26x its 4.6 ms) made plain decoding cost
-        ~15 ms for the policy, which then drafted where drafting lost for the rest of the run."""
+        a few steps. Unbounded, one stalled plain step made plain decoding look several times dearer
+        to the policy, which then drafted where drafting lost for the rest of the run."""
         if self.count >= BOUND_AFTER:
             x = min(max(x, self.value / factor), self.value * factor + floor)
         self.add(x)
@@ -218,8 +216,8 @@ class AdaptivePolicy:
 
     def rate(self, arm: Arm) -> float:
         """Predicted tokens per ms of `arm` (kept until a step of that arm, or a drafting step's
-        overhead, changes it: a plain step then recomputes one rate, not every arm's, ~50 us less
-        a step, 1% of a 4 ms GGUF step)."""
+        overhead, changes it: a plain step then recomputes one rate, not every arm's, which counts
+        on the fastest plain steps)."""
         rate = self.rates.get(arm)
         if rate is None:
             tokens = 1.0 if arm == PLAIN else self.stats[arm].tokens.value

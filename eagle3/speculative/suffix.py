@@ -18,9 +18,7 @@ Semantics (s = s[0..n-1], the prompt and the tokens emitted so far; S_L = s[n-L.
 
 So the first candidate is the most frequent continuation of the longest match, the most recent
 among equals; candidates have distinct first tokens (their branches start at distinct children of
-the root). A SuffixCache of recent finished sequences is consulted after the own sequence with the
-same current suffix (there L may reach n), filling the remaining slots with new first tokens; its
-continuations stop at the end of the stored sequence.
+the root).
 
 Why a context trie and not a suffix automaton: the trie reads contexts backwards (last token
 first) to depth max_match, and at every node of depth >= min_match keeps, per next token, the
@@ -30,13 +28,12 @@ recency are exact at every match length. A suffix automaton finds unbounded matc
 amortised time, but per-state occurrence counts and latest ends need updates along the whole
 suffix-link path (O(n) per token in a loop like "a a a a"). A context seen only once is a single
 tail entry, split into nodes when a second occurrence shares it (as in a suffix tree), so novel
-text costs one entry per token: measured ~130 bytes and ~5 us per token of random text, ~14 bytes
-and ~55 us per token of a 3-token loop (the full depth is walked); `propose` takes ~1-20 us.
+text costs one entry per token, and a loop costs time rather than memory (the full depth is
+walked per token, over nodes that already exist).
 """
 from __future__ import annotations
 
-from bisect import bisect_right
-from typing import Callable, Iterable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 from ..errors import InputError
 
@@ -45,7 +42,6 @@ class SuffixCandidate(NamedTuple):
     tokens: list[int]       # the continuation; tokens[0] is proposed after the current last token
     match_len: int          # length L of the matched suffix
     count: int              # occurrences of S_L followed by tokens[0]
-    from_cache: bool = False  # found in the cross-request SuffixCache, not the own sequence
 
 
 class _Node:
@@ -78,8 +74,8 @@ class _ContextTrie:
 
     def add(self, e: int, limit: int) -> None:
         """Record that the contexts before position e (at most `limit` long) were followed by it."""
-        if limit < self.min_match:                  # no statistics to keep, so no nodes either:
-            return                                  # every node leads to statistics (pruning)
+        if limit < self.min_match:                  # no statistics to keep, so no nodes either
+            return
         node, tok = self.root, self.token_at(e)
         for d in range(limit + 1):
             if d >= self.min_match:
@@ -105,32 +101,6 @@ class _ContextTrie:
         if depth < tail.limit:
             node.older[self.token_at(tail.e - depth - 1)] = tail
         return node
-
-    def remove(self, e: int, limit: int) -> None:
-        """Undo `add(e, limit)`, oldest occurrences first (so every latest end stays valid)."""
-        if limit < self.min_match:
-            return
-        path, node, tok = [], self.root, self.token_at(e)
-        for d in range(limit + 1):
-            if d >= self.min_match:
-                stat = node.follow[tok]
-                stat[0] -= 1
-                if stat[0] == 0:
-                    del node.follow[tok]
-            if d == limit:
-                break
-            key = self.token_at(e - d - 1)
-            child = node.older[key]
-            if isinstance(child, _Tail):            # the one occurrence it stands for is e
-                del node.older[key]
-                break
-            path.append((node, key))
-            node = child
-        for parent, key in reversed(path):          # prune nodes left without contexts or stats
-            child = parent.older[key]
-            if child.older or child.follow:
-                break
-            del parent.older[key]
 
     def matches(self, context: Sequence[int]) -> list[tuple[int, list]]:
         """(L, [(next token, [count, latest end])]) for the suffixes of `context` seen before with
@@ -176,68 +146,6 @@ def check_match_range(min_match: int, max_match: int) -> None:
                          f"{min_match}, max_match={max_match}; raise max_match or lower min_match")
 
 
-class SuffixCache:
-    """Recent finished sequences for suffix matching across requests, capped at `max_tokens` stored
-    tokens: adding a sequence evicts the oldest ones until the total fits (a sequence longer than
-    the budget keeps its last `max_tokens` tokens). Memory is linear in the budget (see module)."""
-
-    def __init__(self, max_tokens: int, min_match: int = 2, max_match: int = 16):
-        if max_tokens < 1:
-            raise InputError(f"SuffixCache max_tokens must be >= 1, got {max_tokens}; leave the "
-                             f"cache out (None) to turn cross-request suffix matching off")
-        self.max_tokens = max_tokens
-        self.trie = _ContextTrie(min_match, max_match, self._token_at)
-        self.tokens: list[int] = []              # the stored sequences, concatenated
-        self.offset = 0                          # global position of tokens[0]
-        self.starts: list[int] = []              # global position of each sequence's first token
-        self.lengths: list[int] = []
-
-    @property
-    def stored_tokens(self) -> int:
-        return len(self.tokens)
-
-    @property
-    def sequences(self) -> list[list[int]]:
-        return [self._seq(i) for i in range(len(self.starts))]
-
-    def add(self, tokens: Sequence[int]) -> None:
-        seq = [int(t) for t in tokens][-self.max_tokens:]
-        while self.starts and len(self.tokens) + len(seq) > self.max_tokens:
-            self._evict()
-        start = self.offset + len(self.tokens)
-        self.tokens += seq
-        self.starts.append(start)
-        self.lengths.append(len(seq))
-        for j in range(1, len(seq)):
-            self.trie.add(start + j, min(self.trie.max_match, j))
-
-    def _evict(self) -> None:
-        start, length = self.starts.pop(0), self.lengths.pop(0)
-        for j in range(1, length):
-            self.trie.remove(start + j, min(self.trie.max_match, j))
-        del self.tokens[:length]
-        self.offset += length
-
-    def _token_at(self, pos: int) -> int:
-        return self.tokens[pos - self.offset]
-
-    def _seq(self, i: int) -> list[int]:
-        begin = self.starts[i] - self.offset
-        return self.tokens[begin:begin + self.lengths[i]]
-
-    def propose(self, context: Sequence[int], max_tokens: int, limit: int,
-                exclude: Iterable[int] = ()) -> list[SuffixCandidate]:
-        """Continuations of stored occurrences of `context`'s suffixes, first tokens not in
-        `exclude`."""
-        out = []
-        for length, _, count, at in self.trie.ranked(context, limit, set(exclude)):
-            i = bisect_right(self.starts, at) - 1
-            stop = min(at + max_tokens, self.starts[i] + self.lengths[i])
-            cont = self.tokens[at - self.offset:stop - self.offset]
-            out.append(SuffixCandidate(cont, length, count, True))
-        return out
-
-
 class _Lookup:
     """tokens[pos]: a sequence's lookup for its trie, holding the list and not the index."""
     __slots__ = ("tokens",)
@@ -253,16 +161,15 @@ class SuffixIndex:
     """The suffix index of one growing sequence (prompt + output): `extend` as tokens are emitted,
     `propose` before each draft tree. O(max_match) per appended token and per proposal."""
 
-    def __init__(self, min_match: int = 2, max_match: int = 16, max_candidates: int = 2,
-                 cache: Optional[SuffixCache] = None):
+    def __init__(self, min_match: int = 2, max_match: int = 16, max_candidates: int = 2):
         if max_candidates < 1:
             raise InputError(f"SuffixIndex max_candidates must be >= 1, got {max_candidates}")
         self.tokens: list[int] = []
         # the list's own lookup, not a method of self: a trie holding self would make every index
-        # a reference cycle, its thousands of nodes freed only by the garbage collector (gen-2
-        # passes of 50-120 ms in a decode step, which the adaptive step took for a slow arm)
+        # a reference cycle, its thousands of nodes freed only by the garbage collector (a long
+        # gen-2 pass inside a decode step, which the adaptive step took for a slow arm)
         self.trie = _ContextTrie(min_match, max_match, _Lookup(self.tokens))   # deepcopy-safe too
-        self.max_candidates, self.cache = max_candidates, cache
+        self.max_candidates = max_candidates
 
     def extend(self, tokens: Iterable[int]) -> None:
         for tok in tokens:
@@ -271,7 +178,7 @@ class SuffixIndex:
             self.trie.add(n, min(self.trie.max_match, n))
 
     def propose(self, max_tokens: int = 8) -> list[SuffixCandidate]:
-        """Up to max_candidates continuations (distinct first tokens), own sequence first."""
+        """Up to max_candidates continuations (distinct first tokens)."""
         if max_tokens < 1:
             return []
         n, seq = len(self.tokens), self.tokens
@@ -281,7 +188,4 @@ class SuffixIndex:
             period = n - e
             cont = [seq[e + j % period] for j in range(max_tokens)]
             out.append(SuffixCandidate(cont, length, count))
-        if self.cache is not None and len(out) < self.max_candidates:
-            out += self.cache.propose(seq, max_tokens, self.max_candidates - len(out),
-                                      {c.tokens[0] for c in out})
         return out

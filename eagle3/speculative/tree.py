@@ -212,11 +212,6 @@ class Tree(NamedTuple):
     def size(self) -> int:
         return self.tokens.numel()
 
-    def leaf_paths(self) -> list[list[int]]:
-        """Root-to-leaf index lists (host copy; for tests and diagnostics)."""
-        rows = self.paths[self.is_leaf].tolist()
-        return [[t for t in row if t >= 0] for row in rows]
-
 
 def ancestry_mask(parents: torch.Tensor, max_depth: int) -> torch.Tensor:
     # parents [T] (parents[0] = -1, parents[t] < t) -> [T, T] bool, ancestors and self

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Iterator, NamedTuple, Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -113,6 +113,3 @@ class FeatureSource:
             feats = target_features(self.target, samples, self.aux_ids)
         return collate(samples, feats, width)
 
-
-def iter_lengths(samples: Sequence[Sample]) -> Iterator[int]:
-    return (len(s.ids) for s in samples)

@@ -64,10 +64,6 @@ def load_data(cfg: TrainConfig) -> tuple[list, list[DataPart]]:
     return samples, parts
 
 
-def load_samples(cfg: TrainConfig) -> list:
-    return load_data(cfg)[0]
-
-
 def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
     src = resolve_model(cfg.target)
     target = load_model(src.hf_dir)
