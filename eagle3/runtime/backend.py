@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .. import kernels
 
 SMALL_ROWS = 32          # plain: the kernels serve blocks up to this many rows (faster than oneDNN
-                         # at 1-32 rows on 2 threads, scripts/bench_kernels.py)
+                         # at 1-32 rows on 2 threads, tools/bench_kernels.py)
 STABLE_ROWS = 256        # row-stable: the kernels serve every block up to this many rows
 
 

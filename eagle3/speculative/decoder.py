@@ -68,7 +68,7 @@ class DraftHead(NamedTuple):
 # nodes, at least half policy.suffix_only_tokens (the size before any) and at most SUFFIX_MAX_FACTOR
 # times it; past it only as far as both caches have room beyond the slack reserved at prefill. A
 # copy under way grows its blocks, a guess that failed shrinks them back. Replayed on the copy
-# workload's greedy outputs (scripts/suffix_budget_sim.py), this rule beat a fixed block size and
+# workload's greedy outputs (studies/suffix-budget/suffix_budget_sim.py), this rule beat a fixed block size and
 # doubling after each block accepted whole.
 SUFFIX_GROWTH = 2
 SUFFIX_MAX_FACTOR = 4

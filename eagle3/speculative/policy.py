@@ -79,7 +79,7 @@ SAMPLED_MEMORY = 0.97
 # a target without a draft: suffix-only blocks or plain decoding, for greedy and sampled requests;
 # a block starts at half DRAFTLESS_SUFFIX_TOKENS and grows to 4x it while a copy runs
 # (SpecDecoder.suffix_only_budget), and needs a match of DRAFTLESS_MIN_MATCH tokens (the pair that
-# did best on the copy workload for both benchmarked targets, docs/bench.md)
+# did best on the copy workload for both benchmarked targets, docs/benchmarks.md)
 DRAFTLESS_SUFFIX_TOKENS = 8
 DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4

@@ -69,7 +69,7 @@ class SpecParams:
     costs target compute, so nodes that will almost surely be rejected slow the step down; on a GPU
     the verify cost is flat in the tree size and 0 (always num_draft_tokens) is the usual choice.
     The default (4, 5, 8, 0.05) was the best shape at both temperatures together in
-    `eagle3 bench --tune` on the 2-core CPU with the shipped draft (docs/bench.md).
+    `eagle3 bench --tune` on the 2-core CPU with the shipped draft (docs/benchmarks.md).
 
     `suffix_tokens` > 0 merges up to that many extra nodes per step from suffix matches over the
     prompt and output so far (speculative/suffix.py, merge.py) into the tree: verified in the same

@@ -43,7 +43,7 @@ class TrainConfig:
     schedule: str = "cosine"              # "cosine" | "linear" | "constant" (after the warmup)
     # training-time test
     # TTT 3 with equal weights and peak lr 1e-3: the recipe study's best row at the same tokens
-    # (held-out and MT-bench tau), and far cheaper per token than TTT 7 (docs/study/recipe_study.md)
+    # (held-out and MT-bench tau), and far cheaper per token than TTT 7 (studies/training-recipes/recipe_study.md)
     ttt_steps: int = 3
     step_decay: float = 1.0
     max_len: int = 512
