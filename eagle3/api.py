@@ -1,7 +1,6 @@
 """One call from names to a ready Engine: resolve the target, the draft and the tree shape."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -174,59 +173,27 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     return make
 
 
-def run_config(config: Optional[RunConfig] = None, *, device: Optional[str] = None,
-               weights: Optional[str] = None, draft_weights: Optional[str] = None,
-               pack: Optional[bool] = None) -> RunConfig:
-    """The RunConfig load_engine runs: `config` (None: RunConfig(), the defaults and the
-    environment's switches) with each keyword that is given in place of its field. pack=False:
-    both models as their reference modules (weights "reference"), so only weights fp32/auto go
-    with it."""
-    config = config or RunConfig()
-    given = {k: v for k, v in (("device", device), ("weights", weights), ("draft_weights", draft_weights))
-             if v is not None}
-    if pack is False:
-        if given.get("weights", "auto") not in ("fp32", "auto", REFERENCE):
-            raise InputError(f"weights={given['weights']!r} needs the inference layout (pack=True)")
-        given.update(weights=REFERENCE, draft_weights=REFERENCE)
-    return replace(config, **given) if given else config
-
-
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None, *,
                 config: Optional[RunConfig] = None, max_model_len: int = 2048,
-                algorithm: Optional[str] = None, adaptive: bool = True,
-                device: Optional[str] = None, weights: Optional[str] = None,
-                draft_weights: Optional[str] = None, pack: Optional[bool] = None) -> Engine:
+                algorithm: Optional[str] = None, adaptive: bool = True) -> Engine:
     """A ready Engine for `model` and `draft`, run as `config` says (eagle3.config.RunConfig: the
-    target's and the draft's weights, device, threads, the backend switches; None: the defaults).
-    device / weights / draft_weights / pack: shorthands for those fields (`run_config`), kept for
-    callers that set one or two; given, they win over `config`'s.
+    target's and the draft's weights, device, threads, the backend switches; None: RunConfig(),
+    the defaults). Speculation is lossless whatever the precision: speculative output equals plain
+    decoding on the same target weights.
 
     model: None = packaged SmolLM2, a .gguf, or an HF dir. draft: "default" (the shipped draft
     for the default model; for any other model suffix-only speculation: the suffix index's
     continuations over the prompt and output verified as blocks, where the adaptive step says they
     pay), "suffix" (that, for any model), None/"none" (plain decoding), or a draft checkpoint
-    directory. Both are loaded in fp32, then laid out for inference from those weights.
+    directory. Both are loaded in fp32, then laid out for inference from those weights as
+    config.weights / config.draft_weights say ("reference": the modules as loaded).
     algorithm: optional "eagle3"/"eagle" assertion; it must agree with what the checkpoint is (the
     contract is checked here, before anything runs).
-    weights (the target): "auto" (default: "gguf" for a GGUF target run natively on the CPU, else
-    "fp32"); "gguf" (the file's own quantized codes on the kernels, each block of 32 inputs rounded
-    to one byte where the CPU has AVX512-VNNI, as llama.cpp runs the file) or "gguf-exact" (the
-    same codes against exact inputs); "fp32" (exact: matches the fp32 checkpoint / HF transformers,
-    and greedy speculation is token-identical to plain decoding); "bf16" (target GEMM weights in
-    bf16: faster forwards, logits within ~1% of fp32; the target is then packed row-stable, so a
-    verify block and one-token decode give bit-identical logits and speculation stays lossless
-    against bf16 plain decoding; without that an 8-row verify and single-token decode were up to
-    0.31 apart and greedy outputs diverged); "reference" (pack=False: the modules as loaded, no
-    inference layout). draft_weights: the draft's weights on CPU, "auto" (q4 where the kernels run
-    integer dot products, else bf16 where oneDNN has bf16 kernels, else fp32: resolve_draft_weights),
-    "q4", "bf16", "fp32" or "reference"; a draft off the CPU runs fp32. The draft only proposes
-    tokens, so its precision changes acceptance, never the output: speculation stays lossless
-    either way.
     spec / adaptive: a SpecParams fixes the tree shape of every step; with spec None and adaptive
     (the default) each step takes the shape the adaptive policy picks from the machine's measured
     costs (config.remeasure: measured again) and the rolling acceptance (speculative.policy), plain
     decoding included."""
-    config = run_config(config, device=device, weights=weights, draft_weights=draft_weights, pack=pack)
+    config = config or RunConfig()
     use(config)             # threads, and the backend switches the environment does not say
     dev = pick_device(config.device)
     target, tokenizer = load_target(model, dev, torch.float32)

@@ -23,7 +23,7 @@ WEIGHT_CHOICES = ("auto", "gguf", "gguf-exact", "fp32", "bf16")
 GGUF_CHOICES = ("gguf", "gguf-exact")
 # the draft's (--draft-weights)
 DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
-REFERENCE = "reference"     # the modules as loaded (fp32), no inference layout: load_engine(pack=False)
+REFERENCE = "reference"     # the modules as loaded (fp32), no inference layout
 
 # backend switch field -> the environment variable that gives its default
 SWITCHES = {"kernels": "EAGLE3_KERNELS", "vnni": "EAGLE3_VNNI", "amx": "EAGLE3_AMX",

@@ -271,7 +271,9 @@ def vllm_command(args, port: int, max_batch: int, speculative: bool) -> tuple[li
     draft_dir = None
     if speculative:
         from eagle3.api import load_engine
-        engine = load_engine(args.model, draft="default", weights="fp32", pack=False)   # the modules
+        from eagle3.config import REFERENCE, RunConfig
+        engine = load_engine(args.model, draft="default",        # the modules as loaded
+                             config=RunConfig(weights=REFERENCE, draft_weights=REFERENCE))
         draft_dir = export_for_vllm(engine.draft, engine.target.config, src.hf_dir, s.work_dir,
                                     args.chain_depth)
     model_dir = model_dir_for_vllm(src.hf_dir, s.work_dir)

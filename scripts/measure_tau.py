@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from eagle3.api import load_engine
+from eagle3.config import RunConfig
 from eagle3.bench.tune import parse_shape
 from eagle3.generate import SamplingParams
 from eagle3.runtime.assets import mtbench_questions
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
         target, drafter = build_layouts(target, drafter, "auto", "auto", resolve_model(None))
         engine = Engine(target, tokenizer, draft=drafter, spec=spec, max_model_len=2048)
     else:
-        engine = load_engine(None, args.draft, spec, device="cpu")
+        engine = load_engine(None, args.draft, spec, config=RunConfig(device="cpu"))
     depth = engine.spec.depth if getattr(engine, "spec", None) else 8
     res = [measure(engine, first_turns(args.n), float(t), args.max_new_tokens, depth)
            for t in args.temperatures.split(",")]

@@ -1,5 +1,5 @@
 """eagle3.config.RunConfig: one frozen configuration of a run, built from flags and environment in
-one place, taken by load_engine (whose keywords are shorthands for its fields)."""
+one place, taken by load_engine (its one precision control)."""
 from __future__ import annotations
 
 import dataclasses
@@ -61,18 +61,6 @@ def test_serve_and_bench_take_the_same_flags():
     bench = config_from(parse_args(flags))
     assert served == bench.run
     assert (bench.weights, bench.draft_weights, bench.threads, bench.device) == ("gguf-exact", "fp32", 1, "cpu")
-
-
-def test_load_engines_keywords_build_the_config():
-    from eagle3.api import run_config
-    base = RunConfig(weights="bf16", threads=2)
-    assert run_config(base) is base
-    assert run_config(base, draft_weights="fp32", device="cpu") == RunConfig(weights="bf16", threads=2,
-                                                                            draft_weights="fp32", device="cpu")
-    assert run_config(pack=False) == RunConfig(weights=REFERENCE, draft_weights=REFERENCE)
-    assert run_config(pack=False, weights="fp32").weights == REFERENCE
-    with pytest.raises(InputError, match="needs the inference layout"):
-        run_config(pack=False, weights="bf16")
 
 
 def test_load_engine_runs_the_config(monkeypatch):

@@ -386,8 +386,9 @@ def test_real_smollm2_speculation_is_token_identical(real_model, weights):
     bf16 8-token block's logits were up to 0.31 apart from one-token decode and outputs diverged).
     A fixed tree: the adaptive policy may choose plain steps on a busy machine."""
     from eagle3.api import load_engine
+    from eagle3.config import RunConfig
     import gc
-    engine = load_engine(weights=weights, spec=SpecParams(4, 5, 8, 0.05))
+    engine = load_engine(spec=SpecParams(4, 5, 8, 0.05), config=RunConfig(weights=weights))
     assert gc.get_freeze_count() > 100_000     # the loaded engine is out of the collector's passes
     params = SamplingParams(max_new_tokens=48, ignore_eos=True)
     for prompt in ("Explain how a bicycle gear works.", "Write a haiku about rain."):

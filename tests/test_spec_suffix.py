@@ -206,14 +206,16 @@ def test_load_engine_speculates_without_a_draft_where_none_is_shipped(monkeypatc
     """draft="default" for a model without a shipped draft, or draft="suffix": a suffix-only
     policy; draft="none": plain decoding."""
     import eagle3.api as api
+    from eagle3.config import REFERENCE, RunConfig
     from spec_helpers import StubTokenizer
+    REF = RunConfig(weights=REFERENCE, draft_weights=REFERENCE)    # no layout to build
     tiny = tiny_target(2, vocab=8)
     monkeypatch.setattr(api, "load_target", lambda model, dev, dtype: (tiny, StubTokenizer()))
     monkeypatch.setattr(api, "adaptive_policy", lambda target, draft, **kw: (lambda greedy=True: draftless_policy(greedy)))
-    assert api.load_engine("some-model", pack=False).speculative
-    assert api.load_engine("some-model", draft="suffix", pack=False).speculative
-    assert not api.load_engine("some-model", draft="none", pack=False).speculative
-    assert not api.load_engine("some-model", pack=False, adaptive=False).speculative
+    assert api.load_engine("some-model", config=REF).speculative
+    assert api.load_engine("some-model", draft="suffix", config=REF).speculative
+    assert not api.load_engine("some-model", draft="none", config=REF).speculative
+    assert not api.load_engine("some-model", config=REF, adaptive=False).speculative
 
 
 def test_suffix_only_blocks_need_a_match_of_the_policys_length(target, reference):

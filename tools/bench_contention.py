@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from eagle3.api import load_engine
+from eagle3.config import RunConfig
 from eagle3.generate import SamplingParams
 from eagle3.threads import describe
 
@@ -52,7 +53,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = load_engine(args.model, draft="none", device="cpu", weights=args.weights)
+    engine = load_engine(args.model, draft="none", config=RunConfig(device="cpu", weights=args.weights))
     print(f"threads: {describe()}")
     quiet = tokens_per_s(engine, args.tokens, args.reps)
     proc = busy_process()

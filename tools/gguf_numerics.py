@@ -25,6 +25,7 @@ import time
 import torch
 
 from eagle3.api import load_engine
+from eagle3.config import RunConfig
 from eagle3.bench.workload import workload_questions
 from eagle3.generate import SamplingParams
 
@@ -86,8 +87,8 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    exact = load_engine(args.model, draft="none", weights="gguf-exact")
-    ours = load_engine(args.model, draft="none", weights="gguf")
+    exact = load_engine(args.model, draft="none", config=RunConfig(weights="gguf-exact"))
+    ours = load_engine(args.model, draft="none", config=RunConfig(weights="gguf"))
     print(f"exact: {exact.target.weights_name}; one byte: {ours.target.weights_name}")
     tok = exact.tokenizer
     report = {"model": args.model or "default", "exact": exact.target.weights_name,

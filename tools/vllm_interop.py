@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from eagle3.api import default_draft_path, load_engine
+from eagle3.config import RunConfig
 from eagle3.bench.stats import first_divergence
 from eagle3.bench.systems import GenParams, OursSystem
 from eagle3.bench.vllm_peer import INSTALL, VllmSettings, default_python, model_dir_for_vllm, start
@@ -68,8 +69,9 @@ def run_all(system, prompts, params_of) -> list[dict]:
 
 
 def ours(prompts, chain: int, weights: str, max_new_tokens: int) -> tuple[list[dict], tuple[int, ...]]:
-    engine = load_engine(None, "default", spec=SpecParams.chain(chain), weights=weights,
-                         draft_weights=weights, max_model_len=2048)
+    engine = load_engine(None, "default", spec=SpecParams.chain(chain),
+                         config=RunConfig(weights=weights, draft_weights=weights),
+                         max_model_len=2048)
     stop_ids = tuple(sorted(engine.eos_ids))
     system = OursSystem(f"ours-chain{chain}", engine, speculative=True)
     params = lambda p: GenParams(0.0, max_new_tokens, p.seed, stop_ids)   # noqa: E731

@@ -37,10 +37,11 @@ def greedy_outputs(n: int, path: Path) -> list[dict]:
             return data[:n]
     import torch
     from eagle3.api import load_engine
+    from eagle3.config import RunConfig
     from eagle3.bench.workload import make_prompts, workload_questions
     from eagle3.generate import SamplingParams
     torch.set_num_threads(2)
-    engine = load_engine(weights="bf16", draft="none")
+    engine = load_engine(draft="none", config=RunConfig(weights="bf16"))
     data = []
     for p in make_prompts(engine.tokenizer, workload_questions("copy", n)):
         r = engine.generate(prompt_ids=list(p.ids), params=SamplingParams(max_new_tokens=256, ignore_eos=True))
