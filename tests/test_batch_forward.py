@@ -216,7 +216,7 @@ def test_a_batch_of_one_takes_the_single_sequence_layers(monkeypatch):
 
 
 def test_a_batch_of_several_sequences_takes_the_one_call_layer():
-    """Several sequences' rows go through gemv.cpp decoder_layer with the rows' slots, cache
+    """Several sequences' rows go through csrc/layer.cpp decoder_layer with the rows' slots, cache
     indices and key counts (one C++ call a layer, as one sequence decodes), not op by op; the
     logits are the op-by-op path's bit for bit."""
     model = tiny_target(layers=2)

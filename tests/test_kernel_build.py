@@ -1,5 +1,6 @@
-"""Building the kernels: ninja without PATH, unwritable caches, stale locks, the cache key, the bf16
-target attributes and the first-build message."""
+"""Building the kernels: ninja without PATH, unwritable caches, stale locks, the cache key over every
+source file, the target attributes of the newer instruction sets, the sources' header comments and
+the first-build message."""
 import fcntl
 import os
 import re
@@ -138,19 +139,50 @@ def test_a_stale_torch_lock_from_a_killed_build_is_cleared(tmp_path):
 
 
 def test_the_first_build_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    """...once per key: a header edited (the sources unchanged) builds anew, said again."""
     import torch.utils.cpp_extension as cpp
-    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path))
+    monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "src").mkdir()
+    sources = [Path(shutil.copy(p, tmp_path / "src")) for p in kernels.SOURCES]
+    headers = [Path(shutil.copy(p, tmp_path / "src")) for p in kernels.HEADERS]
+    compiled = []
 
     def fake_load(name, sources, build_directory, **kw):   # what a build leaves behind
+        compiled.append(sources)
         (Path(build_directory) / f"{name}.so").write_text("")
         return object()
 
     monkeypatch.setattr(cpp, "load", fake_load)
-    build.build("eagle3_gemv", kernels.SOURCE, kernels.CFLAGS, kernels.LDFLAGS)
+    first = build.build("eagle3_kernels", sources, kernels.CFLAGS, kernels.LDFLAGS, headers)
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and re.search(r"building the CPU kernels .* done in \d+\.\d s$", err[0]), err
-    build.build("eagle3_gemv", kernels.SOURCE, kernels.CFLAGS, kernels.LDFLAGS)
+    assert compiled == [[str(s) for s in sources]]      # every translation unit, headers not
+    build.build("eagle3_kernels", sources, kernels.CFLAGS, kernels.LDFLAGS, headers)
     assert capsys.readouterr().err == ""                # cached: silent
+    headers[0].write_text(headers[0].read_text() + "\n")
+    again = build.build("eagle3_kernels", sources, kernels.CFLAGS, kernels.LDFLAGS, headers)
+    assert "building the CPU kernels" in capsys.readouterr().err and again.build_dir != first.build_dir
+
+
+def test_every_source_file_is_built_and_keyed(tmp_path):
+    """The build compiles every .cpp of csrc and keys the cache on every .cpp and .h, so an edit to
+    any of them (a header that several files include too) builds anew."""
+    assert {p.name for p in kernels.SOURCES} == {p.name for p in kernels.CSRC.glob("*.cpp")}
+    assert {p.name for p in kernels.HEADERS} == {p.name for p in kernels.CSRC.glob("*.h")}
+    assert {"bindings.cpp", "common.h"} <= {p.name for p in (*kernels.SOURCES, *kernels.HEADERS)}
+    gcc = build.Compiler("/usr/bin/c++", "c++ 12")
+    copies = [Path(shutil.copy(p, tmp_path)) for p in (*kernels.SOURCES, *kernels.HEADERS)]
+
+    def key() -> str:
+        return build.build_key(build.source_bytes(copies), kernels.CFLAGS, kernels.LDFLAGS, gcc)
+
+    base = key()
+    for path in copies:
+        text = path.read_bytes()
+        path.write_bytes(text + b"\n")
+        assert key() != base, f"editing {path.name} keeps the cached build"
+        path.write_bytes(text)
+    assert key() == base
 
 
 def _functions_with(so: Path, ops: tuple[str, ...]) -> set[str]:
@@ -169,7 +201,7 @@ def _functions_with(so: Path, ops: tuple[str, ...]) -> set[str]:
 @needs
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 def test_avx512_bf16_instructions_sit_only_in_the_attributed_functions():
-    """No -mavx512bf16 for the whole file: only target("avx512bf16") functions may hold them."""
+    """No -mavx512bf16 for the build: only target("avx512bf16") functions may hold them."""
     holders = _functions_with(Path(kernels.state().module.__file__), BF16_OPS)
     assert holders, "linear_bf16's dot products are gone"
     assert all(re.search(r"\btile_bf16<\d>\(", f) for f in holders), sorted(holders)
@@ -179,7 +211,7 @@ def test_avx512_bf16_instructions_sit_only_in_the_attributed_functions():
 @needs
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 def test_avx512_vnni_instructions_sit_only_in_the_attributed_function():
-    """No -mavx512vnni for the whole file: only the integer-dot tiles (exact digits, one digit)
+    """No -mavx512vnni for the build: only the integer-dot tiles (exact digits, one digit)
     may hold them, so a CPU with AVX-512 but without VNNI runs every other kernel."""
     holders = _functions_with(Path(kernels.state().module.__file__), VNNI_OPS)
     assert holders, "linear_quant's integer dot products are gone"
@@ -187,6 +219,78 @@ def test_avx512_vnni_instructions_sit_only_in_the_attributed_function():
     assert all(re.search(tile, f) for f in holders), sorted(holders)
     assert not any("vnni" in flag for flag in kernels.CFLAGS)
 
+
+
+# the newer instruction sets' intrinsics, each in one file (the objdump tests above check, where the
+# library is built, that inside it only the attributed functions hold the instructions)
+ISA_FILES = {r"\b_mm512_dpbf16_ps\b|\b__m512bh\b": "linear_float.cpp",
+             r"\b_mm512_dpbusds?_epi32\b|\b_mm512_dpwssds?_epi32\b": "linear_quant_vnni.cpp",
+             r"\b_tile_\w+\(": "linear_amx.cpp"}
+# measured figures belong in docs/kernels.md, not in the sources' comments
+FIGURE = re.compile(r"\b\d+(\.\d+)?\s*(GB/s|MB/s|ms|us|µs)\b|\b\d+(\.\d+)?x\b")
+
+
+def _sources() -> list[Path]:
+    return sorted([*kernels.SOURCES, *kernels.HEADERS])
+
+
+def _header_comment(path: Path) -> list[str]:
+    lines = path.read_text().splitlines()
+    head = []
+    for line in lines:
+        if not line.startswith("//"):
+            break
+        head.append(line[2:].strip())
+    return head
+
+
+def _comments(path: Path) -> str:
+    return "\n".join(line.split("//", 1)[1] for line in path.read_text().splitlines() if "//" in line)
+
+
+def test_the_build_flags_keep_their_properties():
+    """One set of flags for every file: no FMA contraction (rope_qkv rounds as torch does), OpenMP,
+    and no flag that would let the compiler put AVX512-BF16, VNNI or AMX code anywhere."""
+    assert "-ffp-contract=off" in kernels.CFLAGS and "-fopenmp" in kernels.CFLAGS
+    assert not any(f.startswith(("-mavx512bf16", "-mavx512vnni", "-mamx", "-march", "-ffast-math"))
+                   for f in kernels.CFLAGS)
+    for path in _sources():
+        assert not re.search(r"#pragma\s+GCC\s+(target|optimize)|#pragma\s+clang\s+attribute",
+                             path.read_text()), path.name
+
+
+def test_each_newer_instruction_set_lives_in_its_own_file():
+    for pattern, owner in ISA_FILES.items():
+        holders = {p.name for p in _sources() if re.search(pattern, p.read_text())}
+        assert holders == {owner}, (pattern, sorted(holders))
+
+
+def test_every_kernel_source_opens_with_what_it_owns():
+    """Each file starts with a comment of two lines or more that says what it owns (or does not),
+    and a .cpp names there every entry point (kernels.h) it defines."""
+    entry = re.compile(r"^(?:torch::Tensor|void|bool|int64_t) (\w+)\(", re.M)
+    declared = set(entry.findall((kernels.CSRC / "kernels.h").read_text()))
+    assert {"linear_bf16", "linear_quant", "attention", "decoder_layer"} <= declared
+    for path in _sources():
+        head = _header_comment(path)
+        text = " ".join(head)
+        assert len(head) >= 2 and re.search(r"\bown", text), f"{path.name}: no header comment saying what it owns"
+        if path.suffix == ".cpp":
+            defined = set(entry.findall(path.read_text())) & declared
+            missing = sorted(name for name in defined if not re.search(rf"\b{name}\b", text))
+            assert not missing, f"{path.name} defines {missing} but its header comment does not name them"
+
+
+def test_kernel_sources_hold_no_measured_figures_and_no_long_files():
+    """Comments keep the reasoning; measured figures go to docs/kernels.md with the script that
+    measures them. No kernel file (C++ or Python) over 800 lines."""
+    for path in _sources():
+        hits = [m.group(0) for m in FIGURE.finditer(_comments(path))]
+        assert not hits, f"{path.name}: figures {hits} in comments (docs/kernels.md)"
+    for path in [*_sources(), *Path(kernels.__file__).parent.glob("*.py")]:
+        assert len(path.read_text().splitlines()) <= 800, path.name
+    doc = (ROOT / "docs" / "kernels.md").read_text()
+    assert all(p.name in doc for p in _sources()), "docs/kernels.md lists every source file"
 
 @needs
 def test_without_avx512_vnni_the_codes_run_on_fma(monkeypatch):

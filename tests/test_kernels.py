@@ -346,7 +346,8 @@ def test_kernels_run_on_every_torch_thread():
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied", "qwen3"])
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
 def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights, monkeypatch):
-    """FastLayer's one call (gemv.cpp decoder_layer) runs the composite path's ops in their order."""
+    """FastLayer's one call (csrc/layer.cpp decoder_layer) runs the composite path's ops in their
+    order."""
     model = _packed_family(tmp_path, family, weights)
     if family == "qwen3":  # q/k norms: the kernel does not cover them, the composite path serves
         assert all(layer.one_call is None for layer in model.layers)

@@ -1,4 +1,4 @@
-"""GGUF integer codes on the kernels (`--weights gguf` / `gguf-exact`, runtime.quant + gemv.cpp
+"""GGUF integer codes on the kernels (`--weights gguf` / `gguf-exact`, runtime.quant + kernels/csrc
 linear_quant): unpacking equals the gguf package's dequantisation, the kernel equals the dequantised
 weight's product (with exact inputs, or with inputs rounded to one byte per block of 32), rows are
 independent of their block, and a target running the codes gives the fp32 model's logits (exact) or
@@ -85,7 +85,7 @@ def test_the_kernel_equals_the_dequantised_product_and_rows_stand_alone(type_nam
 
 def byte_rounded(x: torch.Tensor) -> torch.Tensor:
     """x with each block of 32 inputs rounded to one signed byte under its largest (fp64), what
-    the one-digit kernel (gemv.cpp byte_tile) multiplies the codes by."""
+    the one-digit kernel (csrc/linear_quant_vnni.cpp byte_tile) multiplies the codes by."""
     blocks = x.double().view(x.shape[0], -1, 32)
     s = blocks.abs().amax(-1, keepdim=True) / 127
     s = torch.where(s > 0, s, torch.ones_like(s))

@@ -1,12 +1,13 @@
-"""Small-M linear kernels for CPU inference (gemv.cpp), built once on first use and cached.
+"""Small-M linear kernels and fused ops for CPU inference (the C++ sources in kernels/csrc), built
+once on first use and cached. What each source file owns and the measured figures: docs/kernels.md.
 
 Why: decode and tree verification multiply 1..8 rows by every weight once, so a forward costs the
-weight bytes it reads. oneDNN reaches ~18 GB/s on those shapes on the 2-core AVX-512 EPYC here,
-these kernels ~28 GB/s of the ~33 GB/s the machine reads (scripts/bench_kernels.py). Each output
-is one dot product in a fixed order, so a row's result does not depend on the other rows of the
-call: the property a lossless verify needs (verify block == one-token decode). The same holds
-for the fused RMSNorm and the fp32 attention (fused_ops): each row in one fixed order, which lets
-a bf16 target be row-stable without fp64 attention (5x cheaper for a decode step).
+weight bytes it reads, and these kernels read them closer to the memory's speed than oneDNN does on
+those shapes (scripts/bench_kernels.py). Each output is one dot product in a fixed order, so a
+row's result does not depend on the other rows of the call: the property a lossless verify needs
+(verify block == one-token decode). The same holds for the fused RMSNorm and the fp32 attention
+(fused_ops): each row in one fixed order, which lets a bf16 target be row-stable without the far
+slower fp64 attention.
 
     kernel = small_linear()            # None where the CPU or the build cannot run them (why())
     packed = pack_weight(w, dtype)     # once, at pack time
@@ -27,14 +28,17 @@ import torch
 
 from .. import settings
 
-SOURCE = Path(__file__).with_name("gemv.cpp")
-BLOCK = 32                      # outputs per packed block (gemv.cpp kBlock)
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))   # the translation units (bindings.cpp: the module)
+HEADERS = tuple(sorted(CSRC.glob("*.h")))     # in the cache key with the sources
+BLOCK = 32                      # outputs per packed block (csrc/common.h kBlock)
 NEED_FLAGS = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
 BF16_FLAG = "avx512_bf16"       # /proc/cpuinfo's name; linear_bf16 is handed out only with it
 # no FMA contraction: where a kernel replaces torch ops (rope_qkv) it must round as they do.
 # -fopenmp: at::parallel_for is an OpenMP pragma in the headers; without the flag every kernel
 # ran on one thread whatever torch.get_num_threads() said. No -mavx512bf16: the bf16 functions
-# carry target("avx512bf16") in gemv.cpp, so no other code can hold an AVX512-BF16 instruction.
+# carry target("avx512bf16") (csrc/linear_float.cpp), so no other code can hold an AVX512-BF16
+# instruction.
 CFLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # rpath: resolve libgomp.so.1 to torch's copy (the one already loaded), as `ldd` shows too
 LDFLAGS = ["-fopenmp", f"-Wl,-rpath,{Path(torch.__file__).parent / 'lib'}"]
@@ -78,7 +82,7 @@ def _build() -> KernelState:
         return KernelState(None, f"CPU lacks {sorted(NEED_FLAGS - flags)}", False)
     from .build import BuildError, build
     try:
-        module, build_dir = build("eagle3_gemv", SOURCE, CFLAGS, LDFLAGS)
+        module, build_dir = build("eagle3_kernels", SOURCES, CFLAGS, LDFLAGS, HEADERS)
     except BuildError as exc:
         print(f"eagle3: small-M kernels off: {exc}", file=sys.stderr)
         return KernelState(None, f"not built: {exc}", False)
@@ -164,7 +168,7 @@ def rope_qkv() -> Optional[Callable]:
 
 
 def decoder_layer() -> Optional[Callable]:
-    """The one-call Llama decoder layer (gemv.cpp decoder_layer), or None here."""
+    """The one-call Llama decoder layer (csrc/layer.cpp decoder_layer), or None here."""
     st = state()
     return None if st.module is None else st.module.decoder_layer
 
@@ -183,8 +187,8 @@ def pack_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return w.view(padded // BLOCK, BLOCK, in_features).permute(0, 2, 1).contiguous()
 
 
-QUANT_MAGIC = 0x5451474746      # gemv.cpp kQuantMagic
-QUANT_LANES = 16                # outputs per record (gemv.cpp kQuantLanes)
+QUANT_MAGIC = 0x5451474746      # csrc/linear_quant.cpp kQuantMagic
+QUANT_LANES = 16                # outputs per record (csrc/quant.h kQuantLanes)
 
 
 def integer_dots() -> bool:
@@ -194,17 +198,17 @@ def integer_dots() -> bool:
 
 
 def pack_quant(parts: list, integer_dots: Optional[bool] = None, one_digit: bool = False) -> torch.Tensor:
-    """GGUF integer codes -> linear_quant's packed weight (the layout is documented in gemv.cpp).
+    """GGUF integer codes -> linear_quant's packed weight (the layout is documented in csrc/quant.h).
 
     parts: one per run of outputs, each (kind, block, codes [O, I], scales [O, I/block] fp32,
     offsets [O, I/block] fp32 or None): kind 4 = codes 0..15 and w = scale * code + offset,
     kind 5 = codes -16..15 (5 bits) and kind 8 = int8 codes, both w = scale * code. Scales and
     offsets are stored in fp16 where that is exact, else fp32. integer_dots (default: the CPU has
-    AVX512-VNNI): kind-4 codes meet the activations as byte digits in integer dot products (gemv.cpp
-    nibble_tile_vnni), fixed for the packed weight's life so every call rounds alike. one_digit
-    (with integer dots): each block of 32 inputs is rounded to one signed byte under its largest
-    instead of three exact digits (a third of the integer work; for a draft, whose precision only
-    changes what it proposes: runtime.quant.quantize_q4)."""
+    AVX512-VNNI): kind-4 codes meet the activations as byte digits in integer dot products
+    (csrc/linear_quant_vnni.cpp nibble_tile_vnni), fixed for the packed weight's life so every call
+    rounds alike. one_digit (with integer dots): each block of 32 inputs is rounded to one signed
+    byte under its largest instead of three exact digits (a third of the integer work; for a draft,
+    whose precision only changes what it proposes: runtime.quant.quantize_q4)."""
     if integer_dots is None:
         integer_dots = state().vnni
     elif integer_dots and VNNI_FLAG not in cpu_flags():
@@ -242,9 +246,9 @@ def _words(values: torch.Tensor, groups: int, blocks: int, zmms: int, bits: int)
     return words.to(torch.int32).contiguous().view(groups, blocks, zmms * QUANT_LANES).view(torch.uint8)
 
 
-# one digit (gemv.cpp ByteCodes): a record's byte j of word w holds input BYTE_ORDER[w][j], the
-# activation words' order (word 2k + h: inputs 8k + h + {0, 2, 4, 6}); kind 5's high bits: bit
-# 8b + p of a lane's word is input HIGH_ORDER[8b + p] = 8 (p // 2) + 2b + p % 2
+# one digit (csrc/linear_quant_vnni.cpp ByteCodes): a record's byte j of word w holds input
+# BYTE_ORDER[w][j], the activation words' order (word 2k + h: inputs 8k + h + {0, 2, 4, 6}); kind
+# 5's high bits: bit 8b + p of a lane's word is input HIGH_ORDER[8b + p] = 8 (p // 2) + 2b + p % 2
 BYTE_ORDER = torch.tensor([[8 * (w // 2) + w % 2 + 2 * j for j in range(4)] for w in range(8)])
 HIGH_ORDER = torch.tensor([8 * (p // 2) + 2 * b + p % 2 for b in range(4) for p in range(8)])
 ZERO_POINT = {(5, 32): 16, (8, 32): 128, (8, 16): 32}     # u = c + Z: codes as unsigned bytes
@@ -252,9 +256,9 @@ ZERO_POINT = {(5, 32): 16, (8, 32): 128, (8, 16): 32}     # u = c + Z: codes as 
 
 def _byte_records(kind: int, block: int, codes: torch.Tensor, scales: torch.Tensor,
                   offsets: Optional[torch.Tensor]) -> tuple[torch.Tensor, int, int]:
-    """One segment's one-digit records (gemv.cpp ByteCodes: 32 inputs of 16 outputs whatever the
-    file's block): kind 4 as _records; kind 5 with its high bits in HIGH_ORDER; kind 8 as
-    unsigned bytes in BYTE_ORDER with one scale vector per 16 or 32 inputs."""
+    """One segment's one-digit records (csrc/linear_quant_vnni.cpp ByteCodes: 32 inputs of 16
+    outputs whatever the file's block): kind 4 as _records; kind 5 with its high bits in
+    HIGH_ORDER; kind 8 as unsigned bytes in BYTE_ORDER with one scale vector per 16 or 32 inputs."""
     if kind == 4:
         return _records(kind, block, codes, scales, offsets)
     out_features, in_features = codes.shape

@@ -1,7 +1,9 @@
-"""Build gemv.cpp into the cache once, safely: the machinery behind eagle3.kernels.state().
+"""Build the kernel sources (kernels/csrc) into the cache once, safely: the machinery behind
+eagle3.kernels.state().
 
-- Key: source, flags, torch, the Python ABI and the compiler (path and `--version`), so a new
-  interpreter or compiler never loads a stale .so.
+- Key: every source and header (name and text), flags, torch, the Python ABI and the compiler (path
+  and `--version`), so an edit to any file, a new interpreter or a new compiler never loads a stale
+  .so.
 - Directory: <cache>/kernels/<key>; a cache that cannot be written falls back to a temp dir (said
   in one line), and with neither the kernels are off with the reason.
 - ninja: the running interpreter's environment's (the `ninja` package), found without PATH, since
@@ -29,7 +31,7 @@ import torch
 
 LOCK_NAME = "eagle3.lock"       # ours (flock); torch's is <dir>/lock
 TORCH_LOCK = "lock"
-LOCK_WAIT_S = 600.0             # a live build takes ~1 min on 2 cores
+LOCK_WAIT_S = 600.0             # well past a live build (docs/kernels.md has the time)
 
 
 class BuildError(RuntimeError):
@@ -69,6 +71,12 @@ def build_key(source: bytes, cflags: Sequence[str], ldflags: Sequence[str], comp
              str(sysconfig.get_config_var("SOABI")).encode(), compiler.path.encode(),
              compiler.version.encode()]
     return hashlib.sha1(b"\0".join(parts)).hexdigest()[:12]
+
+
+def source_bytes(paths: Sequence[Path]) -> bytes:
+    """The files' names and texts in one string for the key: editing, adding, removing or renaming
+    any of them changes it."""
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() + b"\0" for p in paths)
 
 
 def ninja_dir() -> str:
@@ -167,10 +175,12 @@ def build_lock(build_dir: Path, wait_s: float = LOCK_WAIT_S) -> Iterator[None]:
         os.close(fd)         # drops the flock
 
 
-def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> Built:
-    """Build (or load the cached) extension. Raises BuildError where it cannot be built here."""
+def build(name: str, sources: Sequence[Path], cflags: list[str], ldflags: list[str],
+          headers: Sequence[Path] = ()) -> Built:
+    """Build (or load the cached) extension from `sources` (translation units); `headers` only
+    enter the cache key. Raises BuildError where it cannot be built here."""
     compiler = find_compiler()
-    key = build_key(source.read_bytes(), cflags, ldflags, compiler)
+    key = build_key(source_bytes([*sources, *headers]), cflags, ldflags, compiler)
     build_dir = build_root() / key
     build_dir.mkdir(parents=True, exist_ok=True)
     from torch.utils.cpp_extension import load
@@ -181,8 +191,8 @@ def build(name: str, source: Path, cflags: list[str], ldflags: list[str]) -> Bui
                   file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            module = load(f"{name}_{key}", [str(source)], extra_cflags=cflags, extra_ldflags=ldflags,
-                          build_directory=str(build_dir), verbose=False)
+            module = load(f"{name}_{key}", [str(s) for s in sources], extra_cflags=cflags,
+                          extra_ldflags=ldflags, build_directory=str(build_dir), verbose=False)
         except BaseException:
             if fresh:
                 print(" failed", file=sys.stderr, flush=True)

@@ -4,7 +4,7 @@ Built once from a reference layer's weights (models.layers / draft.model modules
 modified): q/k/v and gate/up fused into one PackedLinear each. A forward is one of two paths, chosen
 by the block's rows only:
 
-    one call   blocks <= backend.kernel_rows on `avx512`: gemv.cpp decoder_layer with the layer's
+    one call   blocks <= backend.kernel_rows on `avx512`: csrc/layer.cpp decoder_layer with the layer's
                LayerWeights (the composite path's ops in its order: same bits)
     composite  everything else: norm -> qkv -> rotary + cache write -> attention -> o -> norm ->
                gate_up -> silu * up -> down, each op through the backend
@@ -60,7 +60,7 @@ class FastLayer:
         return self.qkv, self.o_proj, self.gate_up, self.down_proj
 
     def _one_call_weights(self):
-        """gemv.cpp LayerWeights where the one-call layer covers this layer, else None."""
+        """csrc/kernels.h LayerWeights where the one-call layer covers this layer, else None."""
         b = self.backend
         if (b.kernels is None or not b.one_call_layers or not b.fused_rope or self.q_norm is not None
                 or not all(l.kernel_ready for l in self.linears)

@@ -9,7 +9,7 @@ kernel (every row's result independent of the block: a row-stable target sends e
 there), the rest to oneDNN. bf16 weights take fp32 activations in and out.
 
 With `codes` (a GGUF target under `--weights gguf`: runtime.quant), the small-M kernel runs the
-file's own integer codes (gemv.cpp linear_quant) and blocks past it take the fp32 weight, which is
+file's own integer codes (csrc/linear_quant.cpp) and blocks past it take the fp32 weight, which is
 the same model exactly (the dequantised file).
 """
 from __future__ import annotations
@@ -35,8 +35,8 @@ class PackedLinear:
         self.torch_weight = weight if backend.name == "torch" else None
         self.small = None              # the small-M kernel, where this backend and dtype have one
         self.quant_types: tuple[str, ...] = ()
-        self.integer_dots = False      # codes on integer dot products (gemv.cpp nibble_tile_vnni, byte_tile)
-        self.amx = False               # bf16 on AMX tile multiplies (gemv.cpp run_amx)
+        self.integer_dots = False      # codes on integer dot products (csrc/linear_quant_vnni.cpp)
+        self.amx = False               # bf16 on AMX tile multiplies (csrc/linear_amx.cpp run_amx)
         self.one_digit = False         # codes meet inputs rounded to one byte per block (byte_tile)
         if backend.kernels is not None and codes:
             self.small = kernels.quant_linear()

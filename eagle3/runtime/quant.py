@@ -2,12 +2,12 @@
 
 The loader dequantises a GGUF once into fp32 safetensors (the reference model: exact, since every
 GGUF weight is scale * integer code + offset). This module reads the same file's integer codes
-and per-block scales so the small-M kernel (gemv.cpp linear_quant) can run them directly:
+and per-block scales so the small-M kernel (csrc/linear_quant.cpp) can run them directly:
 ~0.6-1.3 bytes a weight instead of bf16's 2 or fp32's 4, on the file's own values (no bf16 rounding
 of weights, no int8 rounding of activations): fp32 FMA, or, for the 4-bit codes on a CPU with
 AVX512-VNNI, integer dot products with each block of inputs split into three exact byte digits (23
-bits under the block's largest input; gemv.cpp nibble_tile_vnni), as close to the exact model as
-fp32 evaluation is (tests/test_quant.py).
+bits under the block's largest input; csrc/linear_quant_vnni.cpp nibble_tile_vnni), as close to the
+exact model as fp32 evaluation is (tests/test_quant.py).
 
     tensor type        codes            block   w
     Q4_0               4-bit 0..15      32      d * c - 8 d
@@ -194,7 +194,8 @@ class GgufWeights:
     unmatched: list[str] = field(default_factory=list)   # model linears no GGUF tensor name maps to
 
     def with_int8_inputs(self) -> "GgufWeights":
-        """The same codes, each allowed one-byte inputs (`--weights gguf`: gemv.cpp byte_tile)."""
+        """The same codes, each allowed one-byte inputs (`--weights gguf`: csrc/linear_quant_vnni.cpp
+        byte_tile)."""
         codes = {n: replace(qc, int8_inputs=True) for n, qc in self.codes.items()}
         return GgufWeights(codes, self.types, self.dequantized, self.unmatched)
 

@@ -1,0 +1,120 @@
+// The row-wise fp32 steps around a layer's linears and attention, each row in one fixed order:
+//   rms_norm:  y = x / sqrt(mean(x^2) + eps) * w, per row of [N, H]
+//   rope_qkv:  the rotary embedding of a fused qkv block (HF's rotate-half), q returned, k and v
+//              written into the cache, rounded as torch's composite ops round
+// It does not own attention (attention.cpp) nor the linears.
+#include "kernels.h"
+
+namespace eagle3 {
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  if (i < n) {
+    const __mmask16 m = (__mmask16)((1u << (n - i)) - 1);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+  }
+  return _mm512_reduce_add_ps(acc);
+}
+
+}  // namespace
+
+// x [N, H] fp32 contiguous, w [H] fp32 -> [N, H]
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  expect(x, "x", torch::kFloat32);
+  expect(w, "weight", torch::kFloat32);
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(-1), "contiguous x [.., H], w [H]");
+  const int64_t H = x.size(-1), N = x.numel() / H;
+  auto y = torch::empty_like(x);
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = xp + r * H;
+      const float scale = 1.0f / std::sqrt(dot(xr, xr, H) / (float)H + (float)eps);
+      for (int64_t i = 0; i < H; ++i) yp[r * H + i] = xr[i] * scale * wp[i];
+    }
+  });
+  return y;
+}
+
+// qkv [B*T, (Hq + 2 Hkv) * D] fp32 contiguous (rows b-major); cos, sin [B, 1, T, D] fp32
+// contiguous (HF's rotate-half tables); k_buf, v_buf [B, Hkv, S, D] fp32 with unit stride on D.
+// Rotates q and k, writes k and v into rows start..start+T of the buffers and returns q as
+// [B, Hq, T, D]. Each element is x*cos + rotate_half(x)*sin rounded as torch rounds it (two
+// products, one sum; the build has no FMA contraction), so it equals the composite torch path bit
+// for bit and a row never depends on the others.
+// Rows of several sequences (continuous batching): B = 1, T = N rows, k_buf/v_buf [slots, ...];
+// row t's k/v go to slot slot_of_row[t], cache row index_of_row[t] (int64 [N] each; start unused).
+torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf,
+                       torch::Tensor v_buf, int64_t start, int64_t Hq, int64_t Hkv,
+                       c10::optional<torch::Tensor> slot_of_row,
+                       c10::optional<torch::Tensor> index_of_row) {
+  expect(qkv, "qkv", torch::kFloat32);
+  expect(cos, "cos", torch::kFloat32);
+  expect(sin, "sin", torch::kFloat32);
+  expect(k_buf, "k_buf", torch::kFloat32);
+  expect(v_buf, "v_buf", torch::kFloat32);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
+              "qkv [B*T, W], cos/sin [B, 1, T, D] contiguous");
+  TORCH_CHECK(cos.dim() == 4 && cos.size(1) == 1 && cos.sizes() == sin.sizes(), "cos/sin must be [B, 1, T, D]");
+  const int64_t B = cos.size(0), T = cos.size(2), D = cos.size(3), half = D / 2;
+  TORCH_CHECK(D % 2 == 0, "head_dim ", D, " must be even");
+  TORCH_CHECK(qkv.size(0) == B * T && qkv.size(1) == (Hq + 2 * Hkv) * D,
+              "qkv [", qkv.size(0), ", ", qkv.size(1), "] != [B*T, (Hq + 2 Hkv) * D] = [", B * T, ", ",
+              (Hq + 2 * Hkv) * D, "]");
+  const bool rows = slot_of_row.has_value();
+  TORCH_CHECK(rows == index_of_row.has_value() && (!rows || B == 1), "slot_of_row and index_of_row go together, with B = 1");
+  const int64_t* row_slot = rows ? checked_rows(*slot_of_row, "slot_of_row", T, 0, k_buf.size(0) - 1) : nullptr;
+  const int64_t* row_index = rows ? checked_rows(*index_of_row, "index_of_row", T, 0, k_buf.size(2) - 1) : nullptr;
+  TORCH_CHECK(k_buf.dim() == 4 && v_buf.dim() == 4 && (rows || (k_buf.size(0) == B && v_buf.size(0) == B)) &&
+              v_buf.size(0) == k_buf.size(0) &&
+              k_buf.size(1) == Hkv && v_buf.size(1) == Hkv && k_buf.size(3) == D && v_buf.size(3) == D &&
+              k_buf.stride(3) == 1 && v_buf.stride(3) == 1, "kv buffers must be [B, Hkv, S, D] with unit stride on D");
+  TORCH_CHECK(rows || (start >= 0 && start + T <= k_buf.size(2) && start + T <= v_buf.size(2)),
+              "rows ", start, "..", start + T, " exceed the kv buffer of ", k_buf.size(2));
+  auto q = torch::empty({B, Hq, T, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qp = q.data_ptr<float>();
+  float* kp = k_buf.data_ptr<float>();
+  float* vp = v_buf.data_ptr<float>();
+  const int64_t W = qkv.size(1), heads = Hq + 2 * Hkv;
+  const int64_t grain = std::max<int64_t>(1, 4096 / (D * heads));
+  at::parallel_for(0, B * T, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t b = r / T, t = r % T;
+      const int64_t kv_b = rows ? row_slot[t] : b, at = rows ? row_index[t] : start + t;
+      const float* c = cp + r * D;
+      const float* sn = sp + r * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* x = src + r * W + h * D;
+        float* dst;
+        if (h < Hq) {
+          dst = qp + ((b * Hq + h) * T + t) * D;
+        } else if (h < Hq + Hkv) {
+          dst = kp + kv_b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + at * k_buf.stride(2);
+        } else {
+          dst = vp + kv_b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + at * v_buf.stride(2);
+          for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+          continue;
+        }
+        for (int64_t d = 0; d < half; ++d) {
+          const float a = x[d] * c[d], e = -x[d + half] * sn[d];
+          dst[d] = a + e;
+        }
+        for (int64_t d = half; d < D; ++d) {
+          const float a = x[d] * c[d], e = x[d - half] * sn[d];
+          dst[d] = a + e;
+        }
+      }
+    }
+  });
+  return q;
+}
+
+}  // namespace eagle3
