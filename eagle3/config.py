@@ -29,6 +29,9 @@ REFERENCE = "reference"     # the modules as loaded (fp32), no inference layout
 SWITCHES = {"kernels": "EAGLE3_KERNELS", "vnni": "EAGLE3_VNNI", "amx": "EAGLE3_AMX",
             "thread_governor": "EAGLE3_THREAD_GOVERNOR", "remeasure": "EAGLE3_REMEASURE"}
 KERNEL_SWITCHES = ("kernels", "vnni", "amx")     # read once a process, when the kernels are set up
+# the switches their readers take from the environment (the kernels, the engine's governor); use()
+# sets these for the process. remeasure travels as an argument (load_engine -> adaptive_policy).
+PROCESS_SWITCHES = (*KERNEL_SWITCHES, "thread_governor")
 
 
 def _from_env(name: str):
@@ -99,10 +102,11 @@ def available_cores() -> int:
 
 def use(config: RunConfig) -> None:
     """Make this process run `config`: torch's thread count where it gives one, and the switches
-    that differ from the environment set there (the kernels, the engine's governor and the cost
-    table read them when they first run). The kernels are set up once a process: asking to turn
+    that differ from the environment set there (the kernels and the engine's governor read them
+    when they first run; PROCESS_SWITCHES). The kernels are set up once a process: asking to turn
     off what is already in use is an error, not a silent no-op."""
-    changed = {env: on for env, on in config.switches.items() if settings.enabled(env) != on}
+    changed = {SWITCHES[name]: getattr(config, name) for name in PROCESS_SWITCHES
+               if settings.enabled(SWITCHES[name]) != getattr(config, name)}
     settings.set_for_process(changed)
     if {SWITCHES[k] for k in KERNEL_SWITCHES} & changed.keys():
         _check_kernels_agree(config)

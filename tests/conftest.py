@@ -9,6 +9,16 @@ import torch
 torch.set_num_threads(int(os.environ.get("EAGLE3_TEST_THREADS", "2")))
 
 
+@pytest.fixture(autouse=True)
+def eagle3_environment():
+    """A test that sets EAGLE3_* switches for the process (config.use) leaves them as it found them."""
+    before = {k: v for k, v in os.environ.items() if k.startswith("EAGLE3_")}
+    yield
+    for k in [k for k in os.environ if k.startswith("EAGLE3_") and k not in before]:
+        del os.environ[k]
+    os.environ.update(before)
+
+
 @pytest.fixture(scope="session")
 def real_model():
     from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
