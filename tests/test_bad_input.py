@@ -67,6 +67,7 @@ def test_not_a_gguf(tmp_path):
         gguf_to_hf_dir(bad)
 
 
+@pytest.mark.slow
 def test_truncated_gguf(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLE3_CACHE", str(tmp_path / "cache"))
     real = resolve_model(None).gguf

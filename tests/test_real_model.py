@@ -42,6 +42,7 @@ def test_logits_and_features_match_hf_on_200_tokens(real_model, hf_model):
     assert (out.aux - want).abs().max() <= 1e-5 * want.abs().max() + 1e-4
 
 
+@pytest.mark.slow
 def test_greedy_identical_to_hf_generate(real_model, hf_model):
     model, tok, _ = real_model
     engine = Engine(model, tok, max_model_len=512)

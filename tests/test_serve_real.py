@@ -38,6 +38,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 240.0) -> 
     raise TimeoutError("eagle3 serve did not become healthy")
 
 
+@pytest.mark.slow
 @pytest.mark.lossless
 def test_eagle3_serve_equals_eagle3_generate(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -252,6 +252,7 @@ def test_training_from_the_store_equals_online_training(target, samples, tmp_pat
     assert (tmp_path / "st" / "features" / "samples" / "store.json").is_file()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                     reason="torch.compile on CPU needs a C++ compiler")
 def test_compiled_training_step_matches_eager(target, samples, tmp_path):
