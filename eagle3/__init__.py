@@ -5,7 +5,7 @@ one call, `tune_process()`, made by the `eagle3` command and the server before a
 torch; a program that uses the library calls it first, before its own `import torch`.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.4.0"
 
 
 def tune_process() -> list[tuple[str, str]]:
