@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Optional, for `eagle3 bench`: build llama.cpp's EAGLE-3 runner (llama-speculative-simple, which
-# takes --spec-type draft-eagle3) from the llama.cpp vendored in the llama-cpp-python 0.3.36 sdist,
-# and expose its convert_hf_to_gguf.py. Cached under ~/.cache/eagle3/llama.cpp (EAGLE3_LLAMA_CPP);
+# takes --spec-type draft-eagle3) and its plain command-line generator (llama-completion, the
+# `llama.cpp-native` system) from the llama.cpp vendored in the llama-cpp-python 0.3.36 sdist, and
+# expose its convert_hf_to_gguf.py. Cached under ~/.cache/eagle3/llama.cpp (EAGLE3_LLAMA_CPP);
 # a second run does nothing. Never run in CI. About 10 minutes on 2 cores; it runs under nice -n 19
 # with one compile job (JOBS=N to change) so it does not starve the machine.
 #
@@ -10,7 +11,7 @@
 #
 # Layout:  $HOME_DIR/llama_cpp_python-0.3.36.tar.gz   the sdist (pip download, PyPI only)
 #          $HOME_DIR/src -> .../vendor/llama.cpp       sources + convert_hf_to_gguf.py + gguf-py
-#          $HOME_DIR/build/bin/llama-speculative-simple
+#          $HOME_DIR/build/bin/llama-speculative-simple, llama-completion
 set -euo pipefail
 
 VERSION=0.3.36
@@ -18,9 +19,10 @@ HOME_DIR="${EAGLE3_LLAMA_CPP:-$HOME/.cache/eagle3/llama.cpp}"
 JOBS="${JOBS:-1}"
 PY="${PYTHON:-python3}"
 BIN="$HOME_DIR/build/bin/llama-speculative-simple"
+PLAIN="$HOME_DIR/build/bin/llama-completion"
 
-if [[ -x "$BIN" && -f "$HOME_DIR/src/convert_hf_to_gguf.py" ]]; then
-  echo "already built: $BIN"
+if [[ -x "$BIN" && -x "$PLAIN" && -f "$HOME_DIR/src/convert_hf_to_gguf.py" ]]; then
+  echo "already built: $BIN $PLAIN"
   exit 0
 fi
 if [[ "${1:-}" != "--force" ]] && pgrep -f "pip.*install.*llama.cpp.python|pip.*install.*llama_cpp_python" >/dev/null; then
@@ -44,8 +46,8 @@ ln -sfn "llama_cpp_python-$VERSION/vendor/llama.cpp" src
 
 nice -n 19 cmake -S src -B build -G "Unix Makefiles" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_OPENSSL=OFF \
-  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF \
+  -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_APP=OFF
-CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" nice -n 19 cmake --build build --target llama-speculative-simple
-echo "built: $BIN"
+CMAKE_BUILD_PARALLEL_LEVEL="$JOBS" nice -n 19 cmake --build build --target llama-speculative-simple llama-completion
+echo "built: $BIN $PLAIN"
 echo "draft converter: $HOME_DIR/src/convert_hf_to_gguf.py (needs: pip install gguf sentencepiece)"

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from eagle3.bench import config_from, parse_args, workload_text
-from eagle3.bench.llamacpp import SpecSimpleOutput, sampler_kwargs
+from eagle3.bench.llamacpp import CompletionOutput, SpecSimpleOutput, sampler_kwargs
 from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
                                  tree_vs_chain_text)
 from eagle3.bench.roofline import measure, read_bytes_per_forward, verify_costs
@@ -170,6 +170,51 @@ def test_llama_speculative_simple_log_parsing():
     assert out.tau == pytest.approx(130 / 50)
     with pytest.raises(RuntimeError):
         SpecSimpleOutput.parse("no timings here")
+
+
+COMPLETION_LOG = """
+<|im_start|>assistant
+A gear is a wheel with teeth. [end of text]
+
+common_perf_print:    sampling time =      31.50 ms
+common_perf_print:    samplers time =      20.10 ms /   131 tokens
+common_perf_print:        load time =     210.00 ms
+common_perf_print: prompt eval time =     120.00 ms /    99 tokens (    1.21 ms per token,   825.00 tokens per second)
+common_perf_print:        eval time =    1400.00 ms /   130 runs   (   10.77 ms per token,    92.86 tokens per second)
+common_perf_print:       total time =    1800.00 ms /   229 tokens
+"""
+
+
+def test_llama_completion_log_parsing():
+    """Its own timers: prompt eval + eval + sampling, load excluded; the end-of-text token the
+    sampler drew is not emitted."""
+    out = CompletionOutput.parse(COMPLETION_LOG)
+    assert (out["prompt_tokens"], out["drawn"], out["emitted"]) == (99, 131, 130)
+    assert out.seconds == pytest.approx((120.0 + 1400.0 + 31.5) / 1e3)
+    capped = CompletionOutput.parse(COMPLETION_LOG.replace(" [end of text]", ""))
+    assert capped["emitted"] == 131 and not capped["stopped_at_eos"]
+    with pytest.raises(RuntimeError, match="eval"):
+        CompletionOutput.parse(COMPLETION_LOG.replace("common_perf_print:        eval time", "x"))
+
+
+def test_the_native_llama_cpp_system_runs_the_binary_with_plain_sampling(tmp_path):
+    """llama.cpp-native: one llama-completion process per prompt, no conversation mode, llama.cpp's
+    default samplers switched off, the chat text as the prompt, timed by the binary's timers."""
+    from eagle3.bench.llamacpp import LlamaCppNativeSystem
+    from eagle3.bench.workload import BenchPrompt
+    fake = tmp_path / "llama-completion"
+    args = tmp_path / "args.txt"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" > {args}\ncat <<'EOF'\n{COMPLETION_LOG}\nEOF\n")
+    fake.chmod(0o755)
+    system = LlamaCppNativeSystem("llama.cpp-native", fake, tmp_path / "m.gguf", threads=2, n_ctx=512)
+    prompt = BenchPrompt(1, "writing", "Hi", (1, 2, 3), "<|im_start|>user\nHi<|im_end|>\n", 7)
+    res = system.run(prompt, GenParams(1.0, 256, 7, (STOP,)))
+    assert len(res.tokens) == 130 and res.seconds == pytest.approx(1.5515)
+    argv = args.read_text().split()
+    for flag, value in (("-n", "256"), ("--temp", "1.0"), ("--top-k", "0"), ("--min-p", "0"),
+                        ("--seed", "7"), ("-t", "2"), ("-c", "512")):
+        assert argv[argv.index(flag) + 1] == value, flag
+    assert "-no-cnv" in argv and "--ignore-eos" not in argv
 
 
 # ---------------------------------------------------------------------------- options

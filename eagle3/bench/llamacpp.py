@@ -1,7 +1,8 @@
-"""llama.cpp systems on the same GGUF: the Python binding (plain, prompt lookup) and the EAGLE-3
-mode of the vendored llama.cpp (`llama-speculative-simple --spec-type draft-eagle3`, chain drafting).
+"""llama.cpp systems on the same GGUF: the Python binding (plain, prompt lookup), the vendored
+llama.cpp's own plain generator (`llama-completion`, llama.cpp at its fastest: no Python between
+tokens) and its EAGLE-3 mode (`llama-speculative-simple --spec-type draft-eagle3`, chain drafting).
 
-The binding comes from `pip install llama-cpp-python==0.3.36`; the binary and the draft converter
+The binding comes from `pip install llama-cpp-python==0.3.36`; the binaries and the draft converter
 from scripts/build_llama_cpp.sh (cached under ~/.cache/eagle3/llama.cpp). Whatever is missing is
 skipped with the reason. llama.cpp runs on the CPU here (the wheel is built without CUDA).
 """
@@ -27,6 +28,7 @@ from .workload import BenchPrompt
 
 LLAMA_CPP_HOME = Path(settings.env("EAGLE3_LLAMA_CPP") or Path.home() / ".cache/eagle3/llama.cpp")
 SPEC_BINARY = "build/bin/llama-speculative-simple"
+PLAIN_BINARY = "build/bin/llama-completion"
 CONVERTER = "src/convert_hf_to_gguf.py"
 
 
@@ -183,6 +185,81 @@ class LlamaCppEagle3System:
         # the binary may overshoot the budget by part of a draft; its own counts are used as is
         return RunResult([-1] * out["decoded"], out["encode_s"] + out["decode_s"], tau=out.tau,
                          extra=dict(out))
+
+
+# ---------------------------------------------------------------------------- plain binary
+_PERF = {key: re.compile(rf"{pattern}\s*=\s*([\d.]+) ms(?: /\s*(\d+))?") for key, pattern in (
+    ("sampling", r"\bsampling time"), ("samplers", r"samplers time"),
+    ("prompt", r"prompt eval time"), ("eval", r"(?<!prompt )\beval time"))}
+
+
+class CompletionOutput(dict):
+    """The timers llama-completion prints at its end (common_perf_print): prompt eval, eval and
+    sampling milliseconds, and the tokens its sampler drew (the end-of-text token among them when
+    it stopped there, which is not emitted)."""
+
+    @classmethod
+    def parse(cls, log: str) -> "CompletionOutput":
+        found = {key: rx.search(log) for key, rx in _PERF.items()}
+        missing = [key for key, m in found.items() if m is None]
+        if missing:
+            raise RuntimeError(f"llama-completion printed no {', '.join(missing)} timers:\n" + log[-2000:])
+        drawn = int(found["samplers"].group(2))
+        stopped = "[end of text]" in log
+        return cls(prompt_tokens=int(found["prompt"].group(2)), prompt_ms=float(found["prompt"].group(1)),
+                   eval_ms=float(found["eval"].group(1)), sampling_ms=float(found["sampling"].group(1)),
+                   drawn=drawn, emitted=drawn - 1 if stopped else drawn, stopped_at_eos=stopped)
+
+    @property
+    def seconds(self) -> float:
+        """Prompt, decode and sampling by its own timers (model loading and warm-up excluded)."""
+        return (self["prompt_ms"] + self["eval_ms"] + self["sampling_ms"]) / 1e3
+
+
+class LlamaCppNativeSystem:
+    """One llama-completion process per generation: the chat-templated prompt as text (the binary
+    tokenizes it, as llama.cpp users run it), plain greedy or sampled decoding with llama.cpp's
+    own samplers switched to plain temperature sampling, timed by its own timers."""
+    family = "llama.cpp"
+    device = "cpu"
+
+    def __init__(self, name: str, binary: Path, gguf: Path, threads: int, n_ctx: int):
+        self.name, self.binary, self.gguf = name, binary, gguf
+        self.threads, self.n_ctx = threads, n_ctx
+        self.tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
+        self.pid: Optional[int] = None
+
+    def command(self, prompt_file: Path, params: GenParams) -> list[str]:
+        s = sampler_kwargs(params)
+        cmd = [str(self.binary), "-m", str(self.gguf), "-f", str(prompt_file), "-no-cnv",
+               "-n", str(params.max_new_tokens), "-c", str(self.n_ctx), "-t", str(self.threads),
+               "-tb", str(self.threads), "--seed", str(params.seed), "--temp", str(s["temp"]),
+               "--top-k", "0", "--top-p", "1", "--min-p", "0", "--repeat-penalty", "1", "-ngl", "0"]
+        return cmd + (["--ignore-eos"] if params.ignore_eos else [])
+
+    def warmup(self, prompt: BenchPrompt, params: GenParams) -> None:
+        self.run(prompt, params)
+
+    def run(self, prompt: BenchPrompt, params: GenParams) -> RunResult:
+        prompt_file = self.tmp / "prompt.txt"
+        prompt_file.write_text(prompt.chat_text, encoding="utf-8")
+        proc = subprocess.Popen(self.command(prompt_file, params), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        self.pid = proc.pid
+        log, _ = proc.communicate()
+        self.pid = None
+        if proc.returncode != 0:
+            raise RuntimeError(f"{self.binary.name} exited with {proc.returncode}:\n{log[-2000:]}")
+        out = CompletionOutput.parse(log)
+        return RunResult([-1] * out["emitted"], out.seconds, extra=dict(out))
+
+
+def build_native(gguf: Path, threads: int, n_ctx: int
+                 ) -> tuple[list[LlamaCppNativeSystem], list[tuple[str, str]]]:
+    name, binary = "llama.cpp-native", LLAMA_CPP_HOME / PLAIN_BINARY
+    if not binary.is_file():
+        return [], [(name, f"{binary} not built (optional: bash scripts/build_llama_cpp.sh)")]
+    return [LlamaCppNativeSystem(name, binary, gguf, threads, n_ctx)], []
 
 
 def draft_gguf_for(draft, target_config, hf_dir: Path, converter: Path) -> Path:

@@ -9,9 +9,9 @@ from typing import Optional
 from .stats import (Identity, Record, Spread, acceptance_per_position, greedy_identity, ratios,
                     tau_pooled)
 
-VS = ("hf-generate", "hf-generate-bf16", "ours-plain", "llama.cpp", "llama.cpp-eagle3",
-      "vllm-plain")                                                   # ratio columns, if present
-CHILD_PROCESS = ("llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")     # run outside this process
+VS = ("hf-generate", "hf-generate-bf16", "ours-plain", "llama.cpp", "llama.cpp-native",
+      "llama.cpp-eagle3", "vllm-plain")                               # ratio columns, if present
+CHILD_PROCESS = ("llama.cpp-native", "llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")   # own process
 
 
 @dataclass(frozen=True)

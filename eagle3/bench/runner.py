@@ -162,6 +162,9 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
     engine, no_draft = load_ours(cfg, b, context_len(cfg, prompts + [warm]))
     device = str(engine.target.device)
     log(f"target {src.name} on {device}, draft: {no_draft or 'loaded'}")
+    if wanted(cfg, "llama.cpp-native") and src.gguf is not None:
+        from .llamacpp import build_native
+        b.add("llama.cpp-native", lambda: build_native(src.gguf, cfg.threads, cfg.max_model_len))
     if wanted(cfg, "llama.cpp-eagle3") and src.gguf is not None and engine.draft is not None:
         from .llamacpp import build_eagle3                       # converts the unpacked draft
         b.add("llama.cpp-eagle3", lambda: build_eagle3(
@@ -183,7 +186,7 @@ def build(cfg: BenchConfig, log: Callable[[str], None] = print) -> Setup:
 
 
 ORDER = ("ours-plain", "ours-spec", "hf-generate", "hf-generate-bf16", "hf-prompt-lookup", "llama.cpp",
-         "llama.cpp-prompt-lookup", "llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")
+         "llama.cpp-native", "llama.cpp-prompt-lookup", "llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")
 CHAINED_PEERS = ("llama.cpp-eagle3", "vllm-eagle3")      # draft a chain of --chain-depth tokens
 
 
@@ -260,7 +263,7 @@ def rotate(items: list, k: int) -> list:
     return items[k:] + items[:k]
 
 
-WALL_ONLY = ("llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")   # child processes: their own (wall) timers
+WALL_ONLY = ("llama.cpp-native", "llama.cpp-eagle3", "vllm-plain", "vllm-eagle3")   # child processes: own timers
 
 
 def on_cpu_clock(res, cpu_s: float):
