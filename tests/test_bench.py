@@ -177,7 +177,7 @@ COMPLETION_LOG = """
 A gear is a wheel with teeth. [end of text]
 
 common_perf_print:    sampling time =      31.50 ms
-common_perf_print:    samplers time =      20.10 ms /   131 tokens
+common_perf_print:    samplers time =      20.10 ms /   230 tokens
 common_perf_print:        load time =     210.00 ms
 common_perf_print: prompt eval time =     120.00 ms /    99 tokens (    1.21 ms per token,   825.00 tokens per second)
 common_perf_print:        eval time =    1400.00 ms /   130 runs   (   10.77 ms per token,    92.86 tokens per second)
@@ -186,10 +186,11 @@ common_perf_print:       total time =    1800.00 ms /   229 tokens
 
 
 def test_llama_completion_log_parsing():
-    """Its own timers: prompt eval + eval + sampling, load excluded; the end-of-text token the
-    sampler drew is not emitted."""
+    """Its own timers: prompt eval + eval + sampling, load excluded; tokens = eval runs + the last
+    one drawn, which is not evaluated, unless that was the end-of-text token (not emitted). The
+    sampler's own count includes the prompt's tokens, so it is not used."""
     out = CompletionOutput.parse(COMPLETION_LOG)
-    assert (out["prompt_tokens"], out["drawn"], out["emitted"]) == (99, 131, 130)
+    assert (out["prompt_tokens"], out["eval_runs"], out["emitted"]) == (99, 130, 130)
     assert out.seconds == pytest.approx((120.0 + 1400.0 + 31.5) / 1e3)
     capped = CompletionOutput.parse(COMPLETION_LOG.replace(" [end of text]", ""))
     assert capped["emitted"] == 131 and not capped["stopped_at_eos"]

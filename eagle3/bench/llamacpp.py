@@ -189,14 +189,14 @@ class LlamaCppEagle3System:
 
 # ---------------------------------------------------------------------------- plain binary
 _PERF = {key: re.compile(rf"{pattern}\s*=\s*([\d.]+) ms(?: /\s*(\d+))?") for key, pattern in (
-    ("sampling", r"\bsampling time"), ("samplers", r"samplers time"),
-    ("prompt", r"prompt eval time"), ("eval", r"(?<!prompt )\beval time"))}
+    ("sampling", r"\bsampling time"), ("prompt", r"prompt eval time"),
+    ("eval", r"(?<!prompt )\beval time"))}
 
 
 class CompletionOutput(dict):
     """The timers llama-completion prints at its end (common_perf_print): prompt eval, eval and
-    sampling milliseconds, and the tokens its sampler drew (the end-of-text token among them when
-    it stopped there, which is not emitted)."""
+    sampling milliseconds. Each emitted token but the last is evaluated once (eval runs); a
+    generation that stops at the end-of-text token emits no more than it evaluated."""
 
     @classmethod
     def parse(cls, log: str) -> "CompletionOutput":
@@ -204,11 +204,11 @@ class CompletionOutput(dict):
         missing = [key for key, m in found.items() if m is None]
         if missing:
             raise RuntimeError(f"llama-completion printed no {', '.join(missing)} timers:\n" + log[-2000:])
-        drawn = int(found["samplers"].group(2))
+        runs = int(found["eval"].group(2))
         stopped = "[end of text]" in log
         return cls(prompt_tokens=int(found["prompt"].group(2)), prompt_ms=float(found["prompt"].group(1)),
                    eval_ms=float(found["eval"].group(1)), sampling_ms=float(found["sampling"].group(1)),
-                   drawn=drawn, emitted=drawn - 1 if stopped else drawn, stopped_at_eos=stopped)
+                   eval_runs=runs, emitted=runs if stopped else runs + 1, stopped_at_eos=stopped)
 
     @property
     def seconds(self) -> float:
