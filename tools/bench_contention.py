@@ -1,6 +1,6 @@
 """Plain decoding tok/s on a quiet machine and with one busy process, in the same run.
 
-    python tools/bench_contention.py [--model M] [--weights bf16|fp32] [--tokens 128]
+    python tools/bench_contention.py [--model M] [--weights auto|gguf|gguf-exact|bf16|fp32] [--tokens 128]
                                        [--threads 2] [--reps 3]
 
 The busy process is a pure-Python spin loop in a subprocess (one core's worth of load). With N
@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 
 from eagle3.api import load_engine
-from eagle3.config import RunConfig
+from eagle3.config import WEIGHT_CHOICES, RunConfig
 from eagle3.generate import SamplingParams
 from eagle3.threads import describe
 
@@ -47,7 +47,7 @@ def busy_process() -> subprocess.Popen:
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="target (default: the packaged SmolLM2)")
-    ap.add_argument("--weights", choices=["fp32", "bf16"], default="bf16")
+    ap.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
