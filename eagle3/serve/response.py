@@ -157,8 +157,11 @@ class Generation:
         if result is None:          # cancelled: the client is gone, nobody reads this
             raise APIError(499, "client disconnected", code="client_disconnected")
         obj = "chat.completion" if self.chat else "text_completion"
-        return {**self.head(obj), "choices": [self.choice(result.text, result.finish_reason, False)],
-                "usage": self.usage(result), "eagle3": self.stats(result)}
+        choice = self.choice(result.text, result.finish_reason, False)
+        if self.req.return_token_ids:      # as vLLM: the prompt's and the output's token ids
+            choice.update(prompt_token_ids=list(self.job.prompt_ids), token_ids=list(result.token_ids))
+        return {**self.head(obj), "choices": [choice], "usage": self.usage(result),
+                "eagle3": self.stats(result)}
 
     async def _watch_disconnect(self, request: Request) -> None:
         while True:
