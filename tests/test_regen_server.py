@@ -49,6 +49,7 @@ def test_replies_through_our_server_equal_the_engine_alone_and_resume(tmp_path):
         assert r["response_ids"] == want and r["finish"] == ("eos" if alone.finish_reason == "stop"
                                                              else "length")
     assert m["conversations"] == 3 and m["server"] == s.url and again["conversations"] == 3
+    assert m["reply_ids"] == "the server's token_ids"
     assert json.loads((tmp_path / "manifest.json").read_text())["new_tokens"] == m["new_tokens"]
 
 

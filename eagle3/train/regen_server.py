@@ -11,6 +11,7 @@ flight at once, so a batching server decodes them together.
 from __future__ import annotations
 
 import json
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -52,6 +53,8 @@ class ServerClient:
             if not self.token_ids or "return_token_ids" not in str(e):
                 raise InputError(f"{self.endpoint}: {e}") from None
             self.token_ids = False                      # an engine without the field: the text
+            print(f"eagle3: {self.endpoint} refuses return_token_ids; its replies are tokenized from "
+                  "their text (the manifest says so: reply_ids)", file=sys.stderr)
             answer = self._post(body)
         choice = answer["choices"][0]
         ids = choice.get("token_ids")
@@ -117,6 +120,7 @@ def run_regen_server(client: ServerClient, tokenizer, job: RegenJob, cfg: RegenC
             f.flush()
             now = time.time()
             _update_manifest(manifest, stats, now - t_last, 1)
+            manifest["reply_ids"] = "the server's token_ids" if client.token_ids else "tokenized text"
             t_last = now
             write_json_atomic(job.manifest, manifest)
             if bar:
