@@ -119,6 +119,38 @@ def binding_crash(gguf: Path, threads: int, timeout: float = 300) -> Optional[st
             f"a native build's AMX kernels do so on some CPUs, rebuild without them: {NO_AMX_BUILD}")
 
 
+# ---------------------------------------------------------------------------- the binaries
+class _BinaryPerPrompt:
+    """A llama.cpp binary run once per generation on the chat-templated prompt as text (it
+    tokenizes it itself); `pid` while it runs, for the bench's memory watch."""
+    family = "llama.cpp"
+    device = "cpu"
+
+    def __init__(self, name: str, binary: Path):
+        self.name, self.binary = name, binary
+        self.tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
+        self.pid: Optional[int] = None
+
+    def command(self, prompt_file: Path, params: GenParams) -> list[str]:
+        raise NotImplementedError
+
+    def warmup(self, prompt: BenchPrompt, params: GenParams) -> None:
+        self.run(prompt, params)
+
+    def log_of(self, prompt: BenchPrompt, params: GenParams) -> str:
+        """The binary's stdout and stderr for one generation; a failed run raises with its tail."""
+        prompt_file = self.tmp / "prompt.txt"
+        prompt_file.write_text(prompt.chat_text, encoding="utf-8")
+        proc = subprocess.Popen(self.command(prompt_file, params), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
+        self.pid = proc.pid
+        log, _ = proc.communicate()
+        self.pid = None
+        if proc.returncode != 0:
+            raise RuntimeError(f"{self.binary.name} exited with {proc.returncode}:\n{log[-2000:]}")
+        return log
+
+
 # ---------------------------------------------------------------------------- EAGLE-3 binary
 _ENC = re.compile(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 _DEC = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
@@ -144,19 +176,15 @@ class SpecSimpleOutput(dict):
         return self["n_predict"] / forwards if forwards > 0 else None
 
 
-class LlamaCppEagle3System:
+class LlamaCppEagle3System(_BinaryPerPrompt):
     """One llama-speculative-simple process per generation; its own timers (prompt + decode) are
     used, so model loading is not counted. Its output text is not token ids: tokens are counted."""
-    family = "llama.cpp"
-    device = "cpu"
 
     def __init__(self, name: str, binary: Path, target_gguf: Path, draft_gguf: Path, depth: int,
                  threads: int, n_ctx: int):
-        self.name, self.binary, self.depth = name, binary, depth
-        self.target_gguf, self.draft_gguf = target_gguf, draft_gguf
+        super().__init__(name, binary)
+        self.depth, self.target_gguf, self.draft_gguf = depth, target_gguf, draft_gguf
         self.threads, self.n_ctx = threads, n_ctx
-        self.tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
-        self.pid: Optional[int] = None
 
     def command(self, prompt_file: Path, params: GenParams) -> list[str]:
         s = sampler_kwargs(params)
@@ -168,20 +196,8 @@ class LlamaCppEagle3System:
                "--repeat-penalty", "1", "-ngl", "0"]
         return cmd + (["--ignore-eos"] if params.ignore_eos else [])
 
-    def warmup(self, prompt: BenchPrompt, params: GenParams) -> None:
-        self.run(prompt, params)
-
     def run(self, prompt: BenchPrompt, params: GenParams) -> RunResult:
-        prompt_file = self.tmp / "prompt.txt"
-        prompt_file.write_text(prompt.chat_text, encoding="utf-8")
-        proc = subprocess.Popen(self.command(prompt_file, params), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
-        self.pid = proc.pid
-        log, _ = proc.communicate()
-        self.pid = None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{self.binary.name} exited with {proc.returncode}:\n{log[-2000:]}")
-        out = SpecSimpleOutput.parse(log)
+        out = SpecSimpleOutput.parse(self.log_of(prompt, params))
         # the binary may overshoot the budget by part of a draft; its own counts are used as is
         return RunResult([-1] * out["decoded"], out["encode_s"] + out["decode_s"], tau=out.tau,
                          extra=dict(out))
@@ -216,18 +232,13 @@ class CompletionOutput(dict):
         return (self["prompt_ms"] + self["eval_ms"] + self["sampling_ms"]) / 1e3
 
 
-class LlamaCppNativeSystem:
-    """One llama-completion process per generation: the chat-templated prompt as text (the binary
-    tokenizes it, as llama.cpp users run it), plain greedy or sampled decoding with llama.cpp's
-    own samplers switched to plain temperature sampling, timed by its own timers."""
-    family = "llama.cpp"
-    device = "cpu"
+class LlamaCppNativeSystem(_BinaryPerPrompt):
+    """One llama-completion process per generation: plain greedy or sampled decoding with
+    llama.cpp's own samplers switched to plain temperature sampling, timed by its own timers."""
 
     def __init__(self, name: str, binary: Path, gguf: Path, threads: int, n_ctx: int):
-        self.name, self.binary, self.gguf = name, binary, gguf
-        self.threads, self.n_ctx = threads, n_ctx
-        self.tmp = Path(tempfile.mkdtemp(prefix="eagle3-bench-"))
-        self.pid: Optional[int] = None
+        super().__init__(name, binary)
+        self.gguf, self.threads, self.n_ctx = gguf, threads, n_ctx
 
     def command(self, prompt_file: Path, params: GenParams) -> list[str]:
         s = sampler_kwargs(params)
@@ -237,20 +248,8 @@ class LlamaCppNativeSystem:
                "--top-k", "0", "--top-p", "1", "--min-p", "0", "--repeat-penalty", "1", "-ngl", "0"]
         return cmd + (["--ignore-eos"] if params.ignore_eos else [])
 
-    def warmup(self, prompt: BenchPrompt, params: GenParams) -> None:
-        self.run(prompt, params)
-
     def run(self, prompt: BenchPrompt, params: GenParams) -> RunResult:
-        prompt_file = self.tmp / "prompt.txt"
-        prompt_file.write_text(prompt.chat_text, encoding="utf-8")
-        proc = subprocess.Popen(self.command(prompt_file, params), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True)
-        self.pid = proc.pid
-        log, _ = proc.communicate()
-        self.pid = None
-        if proc.returncode != 0:
-            raise RuntimeError(f"{self.binary.name} exited with {proc.returncode}:\n{log[-2000:]}")
-        out = CompletionOutput.parse(log)
+        out = CompletionOutput.parse(self.log_of(prompt, params))
         return RunResult([-1] * out["emitted"], out.seconds, extra=dict(out))
 
 
