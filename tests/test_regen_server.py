@@ -119,3 +119,18 @@ def test_a_reply_that_stopped_on_eos_ends_with_it(tmp_path):
         assert r["finish"] == ("eos" if stopped else "length")
     assert [got[p.id]["temperature"] for p in PROMPTS] == [0.0, 1.0, 0.0]
     assert m["finished_eos"] == sum(r["finish"] == "eos" for r in got.values())
+
+
+class Ignores(ServerClient):
+    """A server that takes `return_token_ids` without a word and answers text only."""
+
+    def __init__(self):
+        super().__init__("http://stub")
+
+    def _post(self, body: dict) -> dict:
+        return {"choices": [{"text": " hi", "finish_reason": "length"}]}
+
+
+def test_a_server_that_ignores_token_ids_is_not_taken_for_one_that_sent_them(tmp_path, capsys):
+    m = run_regen_server(Ignores(), tokenizer(), job(tmp_path), RegenConfig(max_new_tokens=2), 0)
+    assert m["reply_ids"] == "tokenized text" and "ignores return_token_ids" in capsys.readouterr().err

@@ -52,15 +52,21 @@ class ServerClient:
         except _Refused as e:
             if not self.token_ids or "return_token_ids" not in str(e):
                 raise InputError(f"{self.endpoint}: {e}") from None
-            self.token_ids = False                      # an engine without the field: the text
-            print(f"eagle3: {self.endpoint} refuses return_token_ids; its replies are tokenized from "
-                  "their text (the manifest says so: reply_ids)", file=sys.stderr)
+            self._text_from_now("refuses")
             answer = self._post(body)
         choice = answer["choices"][0]
         ids = choice.get("token_ids")
-        if ids is None:
+        if ids is None:                                 # refused, or ignored: the text it is
+            if self.token_ids:
+                self._text_from_now("ignores")
             ids = tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
         return Completion(list(ids), choice.get("finish_reason") == "stop")
+
+    def _text_from_now(self, how: str) -> None:
+        """An engine without the field: its replies are tokenized from their text, said once."""
+        self.token_ids = False
+        print(f"eagle3: {self.endpoint} {how} return_token_ids; its replies are tokenized from "
+              "their text (the manifest says so: reply_ids)", file=sys.stderr)
 
     def _post(self, body: dict) -> dict:
         headers = {"Content-Type": "application/json"}
