@@ -6,12 +6,12 @@ freed) with a fresh mapping, and hands the top of its heap back once more than t
 is free; every decode step then touches megabytes of new pages (a batch step's logits are
 16 x 49152 fp32 = 3 MiB, its fp64 sampling buffers 6 MiB, a prefill chunk's activations more), each
 page a fault and a zeroing (tests/test_memory.py checks the faults, docs/configuration.md gives
-the measured gain). vLLM's CPU guide asks for tcmalloc through LD_PRELOAD for the same reason; this needs no
-install. The cost: up to TRIM_THRESHOLD of freed memory stays mapped.
+the measured gain). vLLM's CPU guide asks for tcmalloc through LD_PRELOAD for the same reason; this
+needs no install. The cost: up to TRIM_THRESHOLD of freed memory stays mapped.
 
 `tune()` runs once a process from eagle3.tune_process() (the `eagle3` command and the server call
-it; `import eagle3` alone does not). It leaves the allocator alone where
-the user chose (MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ set, another
+it; `import eagle3` alone does not). It leaves the allocator alone where the user chose
+(MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_ / MALLOC_TOP_PAD_ set, another
 allocator in LD_PRELOAD, EAGLE3_MALLOC=0) or where the C library is not glibc.
 """
 from __future__ import annotations

