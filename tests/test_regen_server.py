@@ -134,3 +134,18 @@ class Ignores(ServerClient):
 def test_a_server_that_ignores_token_ids_is_not_taken_for_one_that_sent_them(tmp_path, capsys):
     m = run_regen_server(Ignores(), tokenizer(), job(tmp_path), RegenConfig(max_new_tokens=2), 0)
     assert m["reply_ids"] == "tokenized text" and "ignores return_token_ids" in capsys.readouterr().err
+
+
+class OtherModel(ServerClient):
+    """A server of another model: ids past the target's vocabulary."""
+
+    def __init__(self):
+        super().__init__("http://stub")
+
+    def _post(self, body: dict) -> dict:
+        return {"choices": [{"text": "", "token_ids": [5, 10 ** 7], "finish_reason": "length"}]}
+
+
+def test_ids_outside_the_targets_vocabulary_name_the_wrong_server():
+    with pytest.raises(InputError, match="outside the target's vocabulary.*another model"):
+        OtherModel().complete([1, 2], 2, 0.0, 0, tokenizer())

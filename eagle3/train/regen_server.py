@@ -51,7 +51,8 @@ class ServerClient:
             answer = self._post({**body, "return_token_ids": True} if self.token_ids else body)
         except _Refused as e:
             if not self.token_ids or "return_token_ids" not in str(e):
-                raise InputError(f"{self.endpoint}: {e}") from None
+                raise InputError(f"{self.endpoint} refused the request: {e}. Fix: check --model "
+                                 "and that the server serves the target") from None
             self._text_from_now("refuses")
             answer = self._post(body)
         choice = answer["choices"][0]
@@ -60,6 +61,10 @@ class ServerClient:
             if self.token_ids:
                 self._text_from_now("ignores")
             ids = tokenizer.encode(choice.get("text", ""), add_special_tokens=False)
+        if ids and max(ids) >= len(tokenizer):
+            raise InputError(f"{self.endpoint} answered token id {max(ids)}, outside the target's "
+                             f"vocabulary of {len(tokenizer)}: the server runs another model. Fix: "
+                             "point --regen-server at a server of the target")
         return Completion(list(ids), choice.get("finish_reason") == "stop")
 
     def _text_from_now(self, how: str) -> None:
