@@ -16,8 +16,14 @@ is row-stable (bf16 as load_engine builds it): every row of a forward gets the b
 On such a layout a prompt that starts like a recent one (the chat template's system prompt, a
 conversation's earlier turns) takes those tokens' k/v from the prefix cache (PrefixStore, a copy
 into its slot) and prefills only the rest.
-Bookkeeping is plain Python; speculation inside the batch is not done yet (a request's block would
-be its verify tree: SlotRows already lets blocks differ in rows).
+Bookkeeping is plain Python.
+
+Speculation inside the batch (`chain_costs`, on a row-stable layout; chains.py): a decoding
+request's block may be its last token and a chain of tokens its suffix index guesses (the prompt
+and output so far), where the machine's cost of the extra rows pays for the tokens the request's
+rolling acceptance expects. The forward gives logits for every row of such a block; its tokens are
+sampled row by row as plain decoding samples them until one differs from the chain, and the slot
+drops the rows past the accepted ones. Greedy and seeded outputs stay plain decoding's.
 
 Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that
 is admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches
@@ -34,7 +40,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -42,6 +48,7 @@ from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
+from .chains import ChainPlanner, ChainState, check_chain
 from .engine import Run
 from .output import Output
 from .scheduler import Emitted, Request, Scheduler
@@ -61,6 +68,7 @@ class BatchRequest(Request):
     solo: Optional[Run] = None      # its Run on the solo engine while it decodes alone
     solo_steps: int = 0             # decode steps it ran speculatively alone
     prefix_seen: bool = False       # looked up in the prefix cache (once, before its prefill)
+    chain: Optional[ChainState] = None   # its suffix index and chain acceptance (chains on)
 
     @property
     def out_ids(self) -> list[int]:
@@ -86,11 +94,15 @@ class BatchRequest(Request):
 class BatchScheduler(Scheduler):
     def __init__(self, target, tokenizer, eos_ids: set[int], max_batch: int = DEFAULT_MAX_BATCH,
                  max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+                 chain_costs: Optional[Callable[[float], float]] = None):
         """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
         solo: an Engine with a draft on this target, for a greedy request that runs alone.
         prefix_cache_tokens: the prefix cache's budget (models.kv_cache.PrefixStore; on a
-        row-stable layout only, where a copied row equals a prefilled one bit for bit; 0: off)."""
+        row-stable layout only, where a copied row equals a prefilled one bit for bit; 0: off).
+        chain_costs: ms of a forward by rows (runtime.costs.CostTable.target): speculation inside
+        the batch, suffix chains where they pay (chains.py; on a row-stable layout only, where a
+        checked row equals the row decoded alone; None: off)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise InputError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be "
                              ">= 1")
@@ -107,15 +119,22 @@ class BatchScheduler(Scheduler):
         self.row_stable = bool(getattr(getattr(target, "backend", None), "row_stable", False))
         self.prefixes = (PrefixStore(prefix_cache_tokens) if self.row_stable and prefix_cache_tokens
                          else None)
+        backend = getattr(target, "backend", None)
+        self.chains = (ChainPlanner(chain_costs, getattr(backend, "kernel_rows", 0) or 1 << 30)
+                       if chain_costs is not None and self.row_stable else None)
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
                     prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> "BatchScheduler":
         """A scheduler over an Engine's target, tokenizer, eos ids and context length; a speculative
-        Engine also decodes a greedy request that runs alone (solo)."""
+        Engine also decodes a greedy request that runs alone (solo) and, with its adaptive policy's
+        cost table, appends suffix chains inside the batch."""
+        policy = next(iter(engine.policies.values()), None)
+        costs = getattr(policy, "costs", None)
         return cls(engine.target, engine.tokenizer, engine.eos_ids, max_batch, engine.max_model_len,
                    prefill_chunk, solo=engine if engine.speculative else None,
-                   prefix_cache_tokens=prefix_cache_tokens)
+                   prefix_cache_tokens=prefix_cache_tokens,
+                   chain_costs=costs.target if costs is not None else None)
 
     # ------------------------------------------------------------------ requests
     def _request(self, rid: int, prompt_ids: list[int], params: SamplingParams,
@@ -141,24 +160,60 @@ class BatchScheduler(Scheduler):
             return self._solo_step(self.running[0])
         blocks = self._blocks()
         rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks])
+        picks, first = [], []             # the rows whose logits are wanted; each block's first pick
+        for blk, (_, _, decodes) in zip(rows.blocks, blocks):
+            first.append(len(picks))      # a decoding block: every row (its chain's); else the last
+            picks.extend(range(blk.first_row if decodes else blk.first_row + blk.rows - 1,
+                               blk.first_row + blk.rows))
         t0 = time.perf_counter()
         logits = self.target.forward_rows(torch.tensor([t for _, ids, _ in blocks for t in ids]),
-                                          rows, self.cache)
+                                          rows, self.cache, torch.tensor(picks))
         step_s = time.perf_counter() - t0
-        ready = []                                # the blocks whose logits give a next token
+        ready, emitted = [], []           # ready: the one-row blocks whose logits give a next token
         for i, (req, ids, decodes) in enumerate(blocks):
+            if decodes and len(ids) > 1:  # its last token and a chain: checked row by row
+                chain = ids[1:]
+                tokens = check_chain(logits[first[i]:first[i] + len(ids)], chain, req.params, req.gen)
+                kept = len(tokens) - 1
+                self.cache.truncate(req.slot, rows.blocks[i].start + 1 + kept)
+                req.fed += 1 + kept
+                req.chain.observe(len(chain), kept)
+                emitted.append(self._emit(req, Step(tokens, kept, verify_s=step_s, proposed=len(chain),
+                                                    accepted_suffix=kept, arm="suffix")))
+                continue
             req.fed += len(ids)
             if not decodes and self.prefixes is not None and not req.out_ids and not req.prefilling:
                 self.prefixes.store(self.cache, req.slot, req.prompt_ids)   # its prompt, for later
             if decodes or (not req.prefilling and not req.out_ids):
-                ready.append((i, req))
+                ready.append((first[i], req))
         tokens = sample_each(logits[[i for i, _ in ready]], [r.params for _, r in ready],
                              [r.gen for _, r in ready]) if ready else []
-        emitted = [Emitted(req, req.output.push(Step([token], 0, verify_s=step_s)))
-                   for (_, req), token in zip(ready, tokens)]
+        emitted += [self._emit(req, Step([token], 0, verify_s=step_s)) for (_, req), token in zip(ready, tokens)]
         for req in [r for r in self.running if r.done]:
             self._retire(req)
         return emitted
+
+    def _emit(self, req: BatchRequest, step: Step) -> Emitted:
+        """The step's tokens through the request's Output; its suffix index takes what was emitted."""
+        chunk = req.output.push(step)
+        if req.chain is not None:
+            req.chain.index.extend(chunk.token_ids)
+        return Emitted(req, chunk)
+
+    def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, list[int]]:
+        """{request id: chain} for the decoding requests whose guesses pay this step (chains.py),
+        given the step's other rows."""
+        if self.chains is None or not decoders:
+            return {}
+        candidates = []
+        for r in decoders:
+            if r.chain is None:           # its index starts over the prompt and output so far
+                r.chain = ChainState()
+                r.chain.index.extend(r.prompt_ids + r.out_ids)
+            guess = r.chain.guess(r.params.max_new_tokens - len(r.out_ids) - 1)
+            if guess:
+                candidates.append((r.id, guess, r.chain.rate))
+        return self.chains.plan(candidates, rows, float(len(decoders))) if candidates else {}
 
     # ------------------------------------------------------------------ alone: speculative
     def _may_go_solo(self) -> bool:
@@ -207,21 +262,23 @@ class BatchScheduler(Scheduler):
 
     def _blocks(self) -> list[tuple[BatchRequest, list[int], bool]]:
         """Each running request's tokens this step, and whether the block decodes (its logits give
-        the next token): decoders first, then prompt chunks in order (a request back from solo
-        prefills its prompt and output so far the same way)."""
-        blocks = [(r, [r.out_ids[-1]], True) for r in self.running if not r.prefilling]
+        the next token): decoders first (their last token, and a chain where one pays), then
+        prompt chunks in order (a request back from solo prefills its prompt and output so far the
+        same way)."""
+        decoders = [r for r in self.running if not r.prefilling]
         for r in self.running:          # a fresh prompt starts from the longest cached prefix
             if self.prefixes is not None and r.fed == 0 and not r.out_ids and not r.prefix_seen:
                 r.prefix_seen = True
                 r.fed = r.output.cached_tokens = self.prefixes.load(
                     self.cache, r.slot, r.prompt_ids, len(r.prompt_ids) - 1, PREFIX_MIN)
-        budget = self.prefill_chunk
+        prefill, budget = [], self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:
                 ids = r.context(r.fed, budget)
-                blocks.append((r, ids, False))
+                prefill.append((r, ids, False))
                 budget -= len(ids)
-        return blocks
+        chains = self._chains(decoders, len(decoders) + sum(len(ids) for _, ids, _ in prefill))
+        return [(r, [r.out_ids[-1]] + chains.get(r.id, []), True) for r in decoders] + prefill
 
     def _retire(self, req: BatchRequest) -> None:
         if req.slot is not None:

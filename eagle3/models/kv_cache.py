@@ -202,6 +202,14 @@ class SlotCache:
             raise InputError(f"slot {slot} holds {self.lengths[slot]} tokens, asked for {n}")
         return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
 
+    def truncate(self, slot: int, length: int) -> None:
+        """The slot keeps its first `length` tokens (a checked chain's rows past the accepted
+        ones go; the next forward writes over them)."""
+        self._check_in_use(slot)
+        if not 0 <= length <= self.lengths[slot]:
+            raise InputError(f"slot {slot} holds {self.lengths[slot]} tokens; it cannot be cut to {length}")
+        self.lengths[slot] = length
+
     def commit(self, rows: SlotRows) -> None:
         """The forward over `rows` has written its blocks: each slot's length moves past them."""
         for b in rows.blocks:

@@ -136,11 +136,13 @@ class InferenceTarget:
         return h, feats
 
     @torch.inference_mode()
-    def forward_rows(self, input_ids: torch.Tensor, rows: SlotRows, cache: SlotCache) -> torch.Tensor:
+    def forward_rows(self, input_ids: torch.Tensor, rows: SlotRows, cache: SlotCache,
+                     logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Continuous batching: the rows of several sequences in one forward, each block appended
         at its own slot's length (`cache.plan`), every linear called once over all rows. Returns
-        the logits of each block's last row [num_blocks, V]; on a row-stable layout each equals
-        its sequence's own forward bit for bit."""
+        the logits of each block's last row [num_blocks, V], or of `logit_rows` (indices into the
+        forward's rows: a checked chain's every row); on a row-stable layout each equals its
+        sequence's own forward bit for bit."""
         # input_ids [N] in the order of rows.blocks
         if input_ids.numel() != rows.num_rows:
             raise ValueError(f"input_ids has {input_ids.numel()} tokens, rows plan {rows.num_rows}")
@@ -152,7 +154,7 @@ class InferenceTarget:
             for i, layer in enumerate(self.layers):
                 h = layer.forward_rows(h, cos, sin, *cache.layer(i), rows)
         cache.commit(rows)
-        last = h[0, rows.last.to(self.device)]
+        last = h[0, (rows.last if logit_rows is None else logit_rows).to(self.device)]
         return self.lm_head(self.backend.rms_norm(last, *self.norm))
 
     def _one_block(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block,

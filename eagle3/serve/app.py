@@ -108,12 +108,20 @@ def batch_mode(engine, max_batch: int) -> tuple[int, str]:
     if not hasattr(engine.target, "forward_rows"):
         return 1, (f"serving one sequence at a time: {type(engine.target).__name__} has no batched "
                    f"forward (--max-batch {max_batch} needs the native inference layout)")
-    batching = (f"continuous batching of plain decoding: up to {max_batch} sequences per step, "
+    batching = (f"continuous batching: up to {max_batch} sequences per step, "
                 f"prompts prefilled in chunks of {PREFILL_CHUNK} tokens")
-    if engine.speculative:
-        return max_batch, (f"{batching}; speculative decoding for a greedy request that runs alone "
-                           "(it joins the batch when another arrives; speculation is not batched yet)")
-    return max_batch, batching
+    if not engine.speculative:
+        return max_batch, batching
+    policy = next(iter(engine.policies.values()), None)
+    stable = bool(getattr(getattr(engine.target, "backend", None), "row_stable", False))
+    if policy is not None and stable:
+        inside = ("; inside the batch each request appends the tokens its suffix index guesses "
+                  "where the machine's cost of the rows pays (greedy and sampled)")
+    else:
+        inside = ("; no speculation inside the batch: it needs the adaptive step's cost table and a "
+                  "row-stable layout" + ("" if stable else " (this one is not)"))
+    return max_batch, (f"{batching}; speculative decoding for a greedy request that runs alone "
+                       f"(it joins the batch when another arrives){inside}")
 
 
 # ---------------------------------------------------------------------------- server state
