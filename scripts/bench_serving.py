@@ -4,12 +4,13 @@ streaming clients.
     python scripts/bench_serving.py [--model M] [--weights bf16|fp32|gguf|auto] [--max-batch 1,8]
         [--systems ours,ours-eagle3,vllm,vllm-eagle3] [--clients 1,4,16] [--tokens 128]
         [--temperatures 0,1] [--prompts 32] [--rounds 1] [--out DIR] [--url http://host:port]
-        [--vllm-python PY] [--vllm-eager] [--chain-depth 3]
+        [--vllm-python PY] [--vllm-eager] [--chain-depth 3] [--workload mtbench|copy]
 
 Systems, each a server in a child process: `ours` = `eagle3 serve --draft none --max-batch B` for
 each --max-batch value (continuous batching of plain decoding); `ours-eagle3` = `eagle3 serve` with
-the default draft, for each --max-batch value (a greedy request alone decodes speculatively, a
-batch plainly; --max-batch 1: one sequence at a time, all speculative); `vllm` = vLLM's OpenAI server (its
+the default draft, for each --max-batch value (a greedy request alone decodes speculatively; in a
+batch every request appends the tokens its suffix index guesses where the rows pay, greedy and
+sampled; --max-batch 1: one sequence at a time, all speculative); `vllm` = vLLM's OpenAI server (its
 api_server module, from the vLLM venv of scripts/vllm_env.sh) on the same weights, --max-num-seqs = the
 largest --max-batch, bf16 unless --weights fp32 (it has no kernels for GGUF codes), compiled unless
 --vllm-eager; `vllm-eagle3` = the same with our draft exported in the speculators layout, a chain
@@ -20,13 +21,15 @@ the install line. Or --url benches one running server, once.
 Our servers run at once and the cells are interleaved (each (temperature, clients) cell on each
 server back to back: a machine whose speed drifts shifts every system alike); vLLM's run after,
 one at a time. Each server is warmed up, then for each client count N and temperature
-sends the first --prompts MT-bench questions (eagle3.bench.workload, round-robin over categories)
+sends the first --prompts questions of --workload (MT-bench, or the copy workload of prompts whose
+answers quote them; eagle3.bench.workload, round-robin over categories)
 over the OpenAI chat API, streamed, at most N in flight (each client takes the next prompt when its
 last one ends), --tokens new tokens each (ignore_eos, so every request is the same length; T > 0
 seeded per prompt). Prints one table per run: aggregate tokens/s (all completion tokens / wall
 time), TTFT and inter-token latency p50/p99 (gaps between streamed content chunks), end-to-end p50,
-tokens/s against the same server with one client ("x 1 client") and against `ours --max-batch 1`
-at the same clients and temperature ("x ours b1") where they ran; saves serving.json and
+tokens/s against the same server with one client ("x 1 client"), against `ours --max-batch 1`
+at the same clients and temperature ("x ours b1") and, for ours-eagle3, against `ours` at the same
+max-batch, clients and temperature ("x plain": what speculation adds) where they ran; saves serving.json and
 serving.png under --out. Run it on a quiet machine: the clients share the cores.
 """
 from __future__ import annotations
@@ -82,6 +85,8 @@ class Result:
     vs_one_client: Optional[float] = None    # over the same server with one client, same temperature
                                              # and round
     round: int = 0                           # --rounds: which pass over the cells
+    vs_plain: Optional[float] = None         # ours-eagle3 over ours at the same max_batch, clients,
+                                             # temperature and round
 
 
 # ---------------------------------------------------------------------------- one request
@@ -158,12 +163,16 @@ def with_baseline(results: list[Result]) -> list[Result]:
     base = {(r.clients, r.temperature, r.round): r.tokens_per_s for r in results
             if r.system == "ours" and r.max_batch == 1}
     one = {(r.system, r.max_batch, r.temperature, r.round): r.tokens_per_s for r in results if r.clients == 1}
+    plain = {(r.max_batch, r.clients, r.temperature, r.round): r.tokens_per_s for r in results
+             if r.system == "ours"}
     out = []
     for r in results:
         b = base.get((r.clients, r.temperature, r.round))
         o = one.get((r.system, r.max_batch, r.temperature, r.round))
+        p = plain.get((r.max_batch, r.clients, r.temperature, r.round)) if r.system == "ours-eagle3" else None
         out.append(Result(**{**asdict(r), "vs_batch1": round(r.tokens_per_s / b, 2) if b else None,
-                             "vs_one_client": round(r.tokens_per_s / o, 2) if o else None}))
+                             "vs_one_client": round(r.tokens_per_s / o, 2) if o else None,
+                             "vs_plain": round(r.tokens_per_s / p, 2) if p else None}))
     return out
 
 
@@ -179,21 +188,22 @@ def medians(results: list[Result]) -> list[Result]:
                for k in ("wall_s", "tokens_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms",
                          "itl_p99_ms", "e2e_p50_s")}
         ratio = {k: (statistics.median(getattr(r, k) for r in rs) if getattr(rs[0], k) is not None else None)
-                 for k in ("vs_batch1", "vs_one_client")}
+                 for k in ("vs_batch1", "vs_one_client", "vs_plain")}
         out.append(Result(**{**asdict(rs[0]), **mid, **ratio, "round": -1}))
     return out
 
 
 def table(results: list[Result]) -> str:
     head = (f"{'system':>11} {'batch':>5} {'clients':>7} {'T':>3} {'reqs':>4} {'tok/s':>8} "
-            f"{'x 1 client':>10} {'x ours b1':>9} "
+            f"{'x 1 client':>10} {'x ours b1':>9} {'x plain':>7} "
             f"{'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'e2e p50':>8}")
     lines = [head, "-" * len(head)]
     for r in results:
         vs = f"{r.vs_batch1:.2f}x" if r.vs_batch1 is not None else "-"
         one = f"{r.vs_one_client:.2f}x" if r.vs_one_client is not None else "-"
+        spec = f"{r.vs_plain:.2f}x" if r.vs_plain is not None else "-"
         lines.append(f"{r.system:>11} {r.max_batch if r.max_batch is not None else 'url':>5} {r.clients:>7} "
-                     f"{r.temperature:>3g} {r.requests:>4} {r.tokens_per_s:>8.1f} {one:>10} {vs:>9} "
+                     f"{r.temperature:>3g} {r.requests:>4} {r.tokens_per_s:>8.1f} {one:>10} {vs:>9} {spec:>7} "
                      f"{r.ttft_p50_ms:>7.0f}ms {r.ttft_p99_ms:>5.0f}ms {r.itl_p50_ms:>6.1f}ms "
                      f"{r.itl_p99_ms:>5.1f}ms {r.e2e_p50_s:>7.2f}s")
     return "\n".join(lines)
@@ -373,7 +383,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--clients", type=int_list, default=[1, 4, 16])
     p.add_argument("--temperatures", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 1.0])
     p.add_argument("--tokens", type=int, default=128, help="new tokens per request")
-    p.add_argument("--prompts", type=int, default=32, help="MT-bench questions per run")
+    p.add_argument("--prompts", type=int, default=32, help="questions of the workload per run")
+    p.add_argument("--workload", choices=["mtbench", "copy"], default="mtbench",
+                   help="MT-bench questions, or the copy workload (answers that quote their prompt)")
     p.add_argument("--rounds", type=int, default=1,
                    help="passes over every cell (the machine's speed drifts: each ratio is taken "
                         "within a round, and the summary is the median over rounds)")
@@ -397,7 +409,7 @@ def main(argv=None) -> int:
     if unknown:
         raise SystemExit(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
     from eagle3.bench.workload import workload_questions
-    prompts = [q.text for q in workload_questions("mtbench", args.prompts)]
+    prompts = [q.text for q in workload_questions(args.workload, args.prompts)]
     results: list[Result] = []
     skipped: dict[str, str] = {}
     if args.url:
@@ -437,7 +449,7 @@ def main(argv=None) -> int:
             stop_server(proc)
     results = with_baseline(results)
     summary = medians(results) if args.rounds > 1 else results
-    print(f"\n{len(prompts)} MT-bench prompts x {args.tokens} tokens, {args.weights} weights, "
+    print(f"\n{len(prompts)} {args.workload} prompts x {args.tokens} tokens, {args.weights} weights, "
           f"{os.cpu_count()} CPUs" + (f", median of {args.rounds} rounds" if args.rounds > 1 else "")
           + "\n" + table(summary))
     args.out.mkdir(parents=True, exist_ok=True)

@@ -487,6 +487,9 @@ def test_serving_bench_measures_streamed_requests(served_target):
     assert r.tokens == 18 and r.tokens_per_s == round(18 / wall, 2) and r.requests == 3
     base = bench.Result(**{**bench.asdict(r), "max_batch": 1, "tokens_per_s": r.tokens_per_s / 2})
     assert bench.with_baseline([base, r])[1].vs_batch1 == 2.0
+    spec = bench.Result(**{**bench.asdict(r), "system": "ours-eagle3", "tokens_per_s": r.tokens_per_s * 1.5})
+    ratios = bench.with_baseline([base, r, spec])
+    assert ratios[2].vs_plain == 1.5 and ratios[1].vs_plain is None    # over ours at the same batch
     assert bench.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50) == 3.0
     assert bench.percentile([float(i) for i in range(1, 101)], 99) == 99.0
     # --rounds: each ratio within its round (a drifting machine), the summary the median of those
