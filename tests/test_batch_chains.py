@@ -7,7 +7,7 @@ import torch
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.generate.batch import BatchScheduler
-from eagle3.generate.chains import ChainPlanner, ChainState, check_chain, expected_tokens
+from eagle3.generate.chains import ChainPlanner, ChainState, Option, check_chain, expected_tokens
 from eagle3.runtime.target import build_target
 
 from spec_helpers import StubTokenizer, chi_square_p, tiny_target
@@ -119,13 +119,22 @@ def test_chains_need_a_row_stable_layout(one_thread):
 
 
 def test_the_planner_takes_the_chain_length_that_pays_most():
+    free = lambda k: 0.0                            # noqa: E731
     planner = ChainPlanner(CHEAP_ROWS)
-    chosen = planner.plan([("a", list(range(8)), 0.9), ("b", [1, 2, 3], 0.05)], rows=4, tokens=4.0)
-    assert list(chosen) == ["a"] and len(chosen["a"]) == 8            # b's guesses do not pay
+    chosen = planner.plan([Option("a", "suffix", 8, 0.9, free), Option("b", "suffix", 3, 0.05, free)],
+                          rows=4, decoders=4)
+    assert list(chosen) == ["a"] and chosen["a"][1] == 8                # b's guesses do not pay
     # one token per row costs 10 ms a row: a guess right 95% of the time still loses
-    assert ChainPlanner(DEAR_ROWS).plan([("a", [1, 2, 3], 0.95)], rows=1, tokens=1.0) == {}
+    assert ChainPlanner(DEAR_ROWS).plan([Option("a", "suffix", 3, 0.95, free)], rows=1, decoders=1) == {}
     # the forward's row limit caps the chain
-    assert len(ChainPlanner(CHEAP_ROWS, max_rows=6).plan([("a", list(range(8)), 0.9)], 4, 4.0)["a"]) == 2
+    assert ChainPlanner(CHEAP_ROWS, max_rows=6).plan([Option("a", "suffix", 8, 0.9, free)], 4, 4)["a"][1] == 2
+    # one option per request, the better acceptance first; a draft's own ms count against it
+    two = planner.plan([Option("a", "suffix", 8, 0.3, free), Option("a", "draft", 6, 0.8, free)], 2, 2)
+    assert two["a"][0].source == "draft"
+    dear = planner.plan([Option("a", "draft", 6, 0.8, lambda k: 5.0 * k)], 2, 2)
+    assert dear == {}                                # its forwards cost more than its tokens bring
+    # a prompt chunk's rows in the same forward do not make a chain look cheaper
+    assert ChainPlanner(DEAR_ROWS).plan([Option("a", "suffix", 3, 0.6, free)], rows=9, decoders=1) == {}
     assert expected_tokens(0.5, 3) == pytest.approx(0.875)
     with pytest.raises(Exception, match="positive"):
         ChainPlanner(lambda rows: 0.0)
@@ -197,3 +206,66 @@ def test_the_packaged_model_speculates_inside_the_batch():
         want = engine.generate(prompt_ids=req.prompt_ids, params=req.params, speculative=False)
         assert [t for c in chunks[req.id] for t in c.token_ids] == want.token_ids
     assert sum(s.accepted for r in reqs for s in r.output.steps) >= 10
+
+
+# ---------------------------------------------------------------------------- draft chains
+DRAFT_PROMPTS = ([5, 9, 13, 17, 21], [30, 31, 3, 4, 6, 8, 10, 12, 14, 16, 18], [7, 7, 8])
+DRAFT_PARAMS = (SamplingParams(max_new_tokens=30, ignore_eos=True),
+                SamplingParams(temperature=0.8, seed=5, max_new_tokens=26, ignore_eos=True),
+                SamplingParams(max_new_tokens=20, ignore_eos=True))
+CHEAP_DRAFT = lambda rows: 0.1 + 0.01 * rows       # noqa: E731
+
+
+@pytest.mark.parametrize("oracle_for", [0, 1])
+def test_draft_chains_inside_the_batch_leave_outputs_as_plain(one_thread, oracle_for):
+    """An EAGLE-3 draft (an oracle of one request's plain output, one token in three ranked wrong)
+    proposes chains for every request of the batch from the target's features of the batch's
+    forwards: the oracled request (greedy, or seeded sampling) accepts most of its draft tokens,
+    the others few, and every output is plain decoding's alone."""
+    from spec_helpers import oracle_draft
+    model = tiny_target(seed=4)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
+             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    draft = oracle_draft(model, DRAFT_PROMPTS[oracle_for] + truth[oracle_for])
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
+                           chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT)
+    assert sched.capture_ids == tuple(draft.config.aux_layer_ids)
+    reqs = [sched.add(p, q) for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    chunks = drain(sched)
+    for req, want in zip(reqs, truth):
+        assert [t for c in chunks[req.id] for t in c.token_ids] == want
+    oracled = reqs[oracle_for].output.steps
+    drafted = [s for s in oracled if s.arm == "draft"]
+    assert len(drafted) >= 3 and sum(s.accepted for s in drafted) >= len(truth[oracle_for]) // 3
+    assert all(s.accepted_suffix == 0 for s in drafted)
+    assert reqs[oracle_for].chain.draft.hits == sum(s.accepted for s in drafted)
+
+
+def test_a_draft_chain_reads_the_features_of_every_fed_token(one_thread):
+    """The draft cache after a batch run holds one row per token the request fed through the
+    target (from its offset on), paired as SpecDecoder pairs them: its catch-up equals the draft
+    run once over the same features and next ids."""
+    from spec_helpers import tiny_draft
+    model = tiny_target(seed=4)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    draft = tiny_draft(model)
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX, prefill_chunk=4,
+                           chain_costs=DEAR_ROWS, draft=draft, draft_costs=CHEAP_DRAFT)
+    req = sched.add(DRAFT_PROMPTS[1], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    other = sched.add(DRAFT_PROMPTS[0], SamplingParams(max_new_tokens=9, ignore_eos=True))
+    drain(sched)
+    d = req.chain.draft
+    assert d.offset == 0 and d.cache.length == 0 and d.waiting_rows == len(req.prompt_ids) + 6 - 1
+    feats = torch.cat(d.waiting)
+    tokens = req.prompt_ids + req.out_ids
+    assert d.guess(1, tokens) and d.cache.length == len(tokens) - 1
+    one = draft.new_cache(CTX)
+    ref = draft(torch.tensor([tokens[1:]]), torch.arange(len(tokens) - 1), one, features=feats[None],
+                logits_rows=slice(-1, None))
+    assert torch.equal(ref.logits[0, -1], d.head[0])
+    out = target(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1), target.new_cache(CTX),
+                 capture_ids=draft.config.aux_layer_ids)
+    assert torch.equal(out.aux[0], feats)            # the batch's features are the solo forward's
+    assert other.chain.draft.waiting_rows == len(other.prompt_ids) + 9 - 1

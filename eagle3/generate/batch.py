@@ -48,7 +48,7 @@ from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
-from .chains import ChainPlanner, ChainState, check_chain
+from .chains import DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, Option, check_chain
 from .engine import Run
 from .output import Output
 from .scheduler import Emitted, Request, Scheduler
@@ -95,14 +95,18 @@ class BatchScheduler(Scheduler):
     def __init__(self, target, tokenizer, eos_ids: set[int], max_batch: int = DEFAULT_MAX_BATCH,
                  max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
-                 chain_costs: Optional[Callable[[float], float]] = None):
+                 chain_costs: Optional[Callable[[float], float]] = None, draft=None,
+                 draft_costs: Optional[Callable[[float], float]] = None):
         """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
         solo: an Engine with a draft on this target, for a greedy request that runs alone.
         prefix_cache_tokens: the prefix cache's budget (models.kv_cache.PrefixStore; on a
         row-stable layout only, where a copied row equals a prefilled one bit for bit; 0: off).
         chain_costs: ms of a forward by rows (runtime.costs.CostTable.target): speculation inside
         the batch, suffix chains where they pay (chains.py; on a row-stable layout only, where a
-        checked row equals the row decoded alone; None: off)."""
+        checked row equals the row decoded alone; None: off).
+        draft, draft_costs: an EAGLE-3 draft layout on this target and the ms of its forward by rows:
+        with chains on, a request may also append a chain of the draft's top-1 tokens (chains.py
+        DraftChain: its own draft cache, fed the target's features from the batch's forwards)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise InputError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be "
                              ">= 1")
@@ -122,6 +126,11 @@ class BatchScheduler(Scheduler):
         backend = getattr(target, "backend", None)
         self.chains = (ChainPlanner(chain_costs, getattr(backend, "kernel_rows", 0) or 1 << 30)
                        if chain_costs is not None and self.row_stable else None)
+        eagle3 = draft is not None and getattr(draft.config, "algorithm", "") == "eagle3"
+        self.draft = draft if self.chains is not None and eagle3 and draft_costs is not None else None
+        self.draft_costs = draft_costs
+        self.capture_ids = tuple(draft.config.aux_layer_ids) if self.draft is not None else ()
+        self.sources: dict[int, str] = {}         # this step's chains: request id -> "suffix" / "draft"
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
@@ -134,7 +143,8 @@ class BatchScheduler(Scheduler):
         return cls(engine.target, engine.tokenizer, engine.eos_ids, max_batch, engine.max_model_len,
                    prefill_chunk, solo=engine if engine.speculative else None,
                    prefix_cache_tokens=prefix_cache_tokens,
-                   chain_costs=costs.target if costs is not None else None)
+                   chain_costs=costs.target if costs is not None else None, draft=engine.draft,
+                   draft_costs=costs.draft if costs is not None and costs.draft_ms else None)
 
     # ------------------------------------------------------------------ requests
     def _request(self, rid: int, prompt_ids: list[int], params: SamplingParams,
@@ -166,22 +176,28 @@ class BatchScheduler(Scheduler):
             picks.extend(range(blk.first_row if decodes else blk.first_row + blk.rows - 1,
                                blk.first_row + blk.rows))
         t0 = time.perf_counter()
-        logits = self.target.forward_rows(torch.tensor([t for _, ids, _ in blocks for t in ids]),
-                                          rows, self.cache, torch.tensor(picks))
+        capture = {"capture_ids": self.capture_ids} if self.capture_ids else {}
+        out = self.target.forward_rows(torch.tensor([t for _, ids, _ in blocks for t in ids]),
+                                       rows, self.cache, torch.tensor(picks), **capture)
+        logits, aux = out if self.capture_ids else (out, None)
         step_s = time.perf_counter() - t0
         ready, emitted = [], []           # ready: the one-row blocks whose logits give a next token
         for i, (req, ids, decodes) in enumerate(blocks):
+            blk = rows.blocks[i]
             if decodes and len(ids) > 1:  # its last token and a chain: checked row by row
-                chain = ids[1:]
+                chain, source = ids[1:], self.sources[req.id]
                 tokens = check_chain(logits[first[i]:first[i] + len(ids)], chain, req.params, req.gen)
                 kept = len(tokens) - 1
-                self.cache.truncate(req.slot, rows.blocks[i].start + 1 + kept)
+                self.cache.truncate(req.slot, blk.start + 1 + kept)
                 req.fed += 1 + kept
-                req.chain.observe(len(chain), kept)
+                self._features(req, aux, blk.first_row, 1 + kept)
+                (req.chain if source == "suffix" else req.chain.draft).observe(len(chain), kept)
                 emitted.append(self._emit(req, Step(tokens, kept, verify_s=step_s, proposed=len(chain),
-                                                    accepted_suffix=kept, arm="suffix")))
+                                                    accepted_suffix=kept if source == "suffix" else 0,
+                                                    arm=source)))
                 continue
             req.fed += len(ids)
+            self._features(req, aux, blk.first_row, len(ids))
             if not decodes and self.prefixes is not None and not req.out_ids and not req.prefilling:
                 self.prefixes.store(self.cache, req.slot, req.prompt_ids)   # its prompt, for later
             if decodes or (not req.prefilling and not req.out_ids):
@@ -200,20 +216,40 @@ class BatchScheduler(Scheduler):
             req.chain.index.extend(chunk.token_ids)
         return Emitted(req, chunk)
 
+    def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], first_row: int, n: int) -> None:
+        """The target's features of the request's n tokens fed this step, for its draft chain."""
+        if aux is not None and req.chain is not None and req.chain.draft is not None:
+            req.chain.draft.wait(aux[first_row:first_row + n])
+
     def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, list[int]]:
         """{request id: chain} for the decoding requests whose guesses pay this step (chains.py),
-        given the step's other rows."""
+        given the step's other rows; the source of each in self.sources."""
+        self.sources = {}
         if self.chains is None or not decoders:
             return {}
-        candidates = []
+        options, guesses = [], {}
+        one = self.draft_costs(1) if self.draft is not None else 0.0
         for r in decoders:
-            if r.chain is None:           # its index starts over the prompt and output so far
-                r.chain = ChainState()
-                r.chain.index.extend(r.prompt_ids + r.out_ids)
-            guess = r.chain.guess(r.params.max_new_tokens - len(r.out_ids) - 1)
+            room = r.params.max_new_tokens - len(r.out_ids) - 1
+            guess = r.chain.guess(room)
             if guess:
-                candidates.append((r.id, guess, r.chain.rate))
-        return self.chains.plan(candidates, rows, float(len(decoders))) if candidates else {}
+                guesses[r.id] = guess
+                options.append(Option(r.id, "suffix", len(guess), r.chain.rate, NO_EXTRA))
+            d = r.chain.draft
+            if d is not None and (d.waiting or d.head is not None):
+                catch_up = self.draft_costs(d.waiting_rows) if d.waiting else 0.0
+                options.append(Option(r.id, "draft", d.cap(room, DRAFT_MAX_TOKENS), d.rate,
+                                      lambda k, c=catch_up: c + (k - 1) * one))
+        plan = self.chains.plan(options, rows, len(decoders)) if options else {}
+        by_id = {r.id: r for r in decoders}
+        chains = {}
+        for rid, (opt, k) in plan.items():
+            r = by_id[rid]
+            chain = guesses[rid][:k] if opt.source == "suffix" else r.chain.draft.guess(k, r.prompt_ids + r.out_ids)
+            if chain:
+                chains[rid] = chain
+                self.sources[rid] = opt.source
+        return chains
 
     # ------------------------------------------------------------------ alone: speculative
     def _may_go_solo(self) -> bool:
@@ -271,6 +307,12 @@ class BatchScheduler(Scheduler):
                 r.prefix_seen = True
                 r.fed = r.output.cached_tokens = self.prefixes.load(
                     self.cache, r.slot, r.prompt_ids, len(r.prompt_ids) - 1, PREFIX_MIN)
+        for r in self.running:          # after the prefix cache: a draft's features start at `fed`
+            if self.chains is not None and r.chain is None:
+                r.chain = ChainState()    # its index starts over the prompt and output so far
+                r.chain.index.extend(r.prompt_ids + r.out_ids)
+                if self.draft is not None:
+                    r.chain.draft = DraftChain(self.draft, self.max_model_len + DRAFT_MAX_TOKENS, r.fed)
         prefill, budget = [], self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:

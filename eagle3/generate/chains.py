@@ -12,16 +12,20 @@ greedy or seeded sampling, is its plain output whatever the batch around it and 
 speculated; for a guess that is one token (a point mass) this check accepts it with probability
 p(token), which is what speculative sampling's min(1, p / q) gives there.
 
-Which chains run (`ChainPlanner`): the machine's cost table (runtime.costs: ms of a forward by
-rows) against each request's rolling acceptance. A step of N rows yielding Y expected tokens takes
-a chain of k rows when (Y + E(k)) / cost(N + k) beats Y / cost(N), with E(k) = a + a^2 + ... + a^k
-for the request's per-token acceptance a; the best k of each candidate is taken, candidates with the
-highest a first. No chain runs when none pays, so the batch decodes plainly then.
+Two sources: the suffix index (free to ask), and where the batch has an EAGLE-3 draft, a chain of
+the draft's top-1 tokens (`DraftChain`: each request's own draft cache, fed the target's features
+of its tokens from the batch's forwards; a catch-up forward over the waiting rows, then a draft
+forward per token). Which chains run (`ChainPlanner`): the machine's cost table (runtime.costs: ms
+of a target forward by rows, of a draft forward by rows) against each source's rolling acceptance.
+A step decoding B requests (a token each, in cost(B) ms of their rows alone) over N rows takes a
+chain of k rows when (B + E(k)) / (cost(B) + cost(N + k) - cost(N) + its draft ms) beats
+B / cost(B), with E(k) = a + a^2 + ... + a^k for the source's per-token acceptance a; the best k of each option is taken, options with the highest a
+first, one per request. No chain runs when none pays, so the batch decodes plainly then.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -30,18 +34,18 @@ from ..sampling import SamplingParams, sample_next
 from ..speculative.suffix import SuffixIndex
 
 CHAIN_MIN_MATCH = 4        # a guess needs a match this long (speculative.policy.DRAFTLESS_MIN_MATCH)
-CHAIN_MAX_TOKENS = 32      # the longest chain a request gets
+CHAIN_MAX_TOKENS = 32      # the longest suffix chain a request gets
+DRAFT_MAX_TOKENS = 6       # the longest draft chain (a draft forward per token after the first)
 CHAIN_GROWTH = 2           # a chain is at most CHAIN_GROWTH x (the last one's accepted + 1) long
-CHAIN_FIRST = 4            # the longest first chain of a request
-PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0     # the acceptance a request starts from: 0.5
-MEMORY = 0.9               # the weight of a request's earlier chains in its acceptance
+CHAIN_FIRST = 4            # the longest first chain of a source
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0     # the acceptance a source starts from: 0.5
+MEMORY = 0.9               # the weight of a source's earlier chains in its acceptance
 
 
 @dataclass
-class ChainState:
-    """One request's suffix index and the acceptance of its chains so far."""
-    index: SuffixIndex = field(default_factory=lambda: SuffixIndex(CHAIN_MIN_MATCH, 16, 1))
-    accepted: float = PRIOR_ACCEPTED           # decayed counts: guessed tokens accepted ...
+class Rolling:
+    """The acceptance of one source's chains so far (decayed counts)."""
+    accepted: float = PRIOR_ACCEPTED           # guessed tokens accepted ...
     tried: float = PRIOR_TRIED                 # ... and guesses checked (an accepted one, or the miss)
     last: Optional[int] = None                 # tokens accepted of its last chain
     chains: int = 0                            # chains checked
@@ -53,15 +57,10 @@ class ChainState:
         """The chance that a guessed token is accepted given the ones before it were."""
         return self.accepted / self.tried
 
-    def guess(self, most: int) -> list[int]:
-        """The continuation its index proposes now, at most `most` tokens (and at most CHAIN_GROWTH
-        x the last chain's accepted + 1); empty without a long enough match."""
-        cap = CHAIN_FIRST if self.last is None else CHAIN_GROWTH * (self.last + 1)
-        most = min(most, cap, CHAIN_MAX_TOKENS)
-        if most < 1:
-            return []
-        cands = [c for c in self.index.propose(most) if c.match_len >= CHAIN_MIN_MATCH]
-        return cands[0].tokens[:most] if cands else []
+    def cap(self, most: int, longest: int) -> int:
+        """The longest chain it may get: CHAIN_FIRST at first, then CHAIN_GROWTH x (the last
+        chain's accepted + 1), within `most` and `longest`."""
+        return min(most, longest, CHAIN_FIRST if self.last is None else CHAIN_GROWTH * (self.last + 1))
 
     def observe(self, proposed: int, accepted: int) -> None:
         """A chain of `proposed` tokens of which the first `accepted` were right."""
@@ -74,13 +73,98 @@ class ChainState:
         self.hits += accepted
 
 
+@dataclass
+class ChainState(Rolling):
+    """One request's suffix index and the acceptance of its suffix chains; `draft` its EAGLE-3
+    draft chain where the batch has a draft."""
+    index: SuffixIndex = field(default_factory=lambda: SuffixIndex(CHAIN_MIN_MATCH, 16, 1))
+    draft: Optional["DraftChain"] = None
+
+    def guess(self, most: int) -> list[int]:
+        """The continuation its index proposes now, at most `most` tokens (and within `cap`);
+        empty without a long enough match."""
+        most = self.cap(most, CHAIN_MAX_TOKENS)
+        if most < 1:
+            return []
+        cands = [c for c in self.index.propose(most) if c.match_len >= CHAIN_MIN_MATCH]
+        return cands[0].tokens[:most] if cands else []
+
+
+class DraftChain(Rolling):
+    """One request's EAGLE-3 draft inside the batch, proposing a chain of its top-1 tokens. Its own
+    draft cache pairs, at row i, the target's features of the request's token offset + i with the
+    id of the token after it (SpecDecoder's layout, from `offset` on: a request that joined the
+    batch from the solo engine, or took its prompt from the prefix cache, has no features before
+    it). The features of every token the target computed wait in `waiting` until a chain is asked
+    for; then one draft forward catches up over them."""
+
+    def __init__(self, draft, max_len: int, offset: int):
+        super().__init__()
+        self.draft, self.offset = draft, offset
+        self.cache = draft.new_cache(max_len)
+        self.waiting: list[torch.Tensor] = []        # [m, F] features of the next tokens, in order
+        self.head: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # last row: logits, hidden
+
+    @property
+    def waiting_rows(self) -> int:
+        return sum(f.shape[0] for f in self.waiting)
+
+    def wait(self, features: torch.Tensor) -> None:
+        """The target's features [m, F] of the request's next m tokens."""
+        self.waiting.append(features.clone())
+
+    @torch.inference_mode()
+    def guess(self, k: int, tokens: Sequence[int]) -> list[int]:
+        """k draft tokens after `tokens` (the request's prompt and output so far): a catch-up over
+        the waiting rows, then a draft forward per token past the first; the draft cache is left
+        at the catch-up."""
+        if self.waiting:
+            feats = torch.cat(self.waiting)
+            self.waiting = []
+            start = self.cache.length
+            first = self.offset + start + 1                  # the id after the first waiting token
+            ids = torch.tensor(tokens[first:first + feats.shape[0]], dtype=torch.long)
+            if ids.numel() != feats.shape[0]:
+                raise ValueError(f"{feats.shape[0]} waiting feature rows but {ids.numel()} next tokens")
+            positions = torch.arange(self.offset + start, self.offset + start + ids.numel())
+            out = self.draft(ids[None], positions, self.cache, features=feats[None], logits_rows=slice(-1, None))
+            self.head = (out.logits[0, -1], out.hidden[0, -1])
+        if self.head is None:
+            return []
+        n = self.cache.length
+        logits, hidden = self.head
+        out = []
+        for d in range(k):
+            token = self.draft.to_target_ids(logits.argmax().view(1))
+            out.append(int(token))
+            if d + 1 == k:
+                break
+            o = self.draft(token.view(1, 1), torch.tensor([self.offset + n + d]), self.cache,
+                           hidden=hidden.view(1, 1, -1), logits_rows=slice(-1, None))
+            logits, hidden = o.logits[0, -1], o.hidden[0, -1]
+        self.cache.truncate(n)
+        return out
+
+
 def expected_tokens(rate: float, k: int) -> float:
     """Expected accepted tokens of a chain of k guesses, each right with `rate` given the earlier."""
     return sum(rate ** i for i in range(1, k + 1))
 
 
+class Option(NamedTuple):
+    """One way a request could extend its row this step."""
+    key: object                          # the request
+    source: str                          # "suffix" or "draft"
+    most: int                            # its longest chain now
+    rate: float                          # its per-token acceptance
+    extra_ms: Callable[[int], float]     # ms spent outside the forward for a chain of k (the draft)
+
+
+NO_EXTRA = lambda k: 0.0                 # noqa: E731  a suffix guess costs nothing to make
+
+
 class ChainPlanner:
-    """Which requests append a chain this step, and how long, from the cost of rows."""
+    """Which requests append a chain this step, from which source and how long, by cost."""
 
     def __init__(self, cost_ms: Callable[[float], float], max_rows: int = 1 << 30):
         """cost_ms(rows): ms of one forward over that many rows (runtime.costs.CostTable.target);
@@ -89,22 +173,30 @@ class ChainPlanner:
             raise InputError(f"a forward's cost must be positive, got {cost_ms(1)} ms for 1 row")
         self.cost_ms, self.max_rows = cost_ms, max_rows
 
-    def plan(self, candidates: Sequence[tuple[object, list[int], float]], rows: int,
-             tokens: float) -> dict:
-        """candidates: (key, guessed tokens, acceptance rate) per request; rows: the step's rows
-        without chains; tokens: the tokens it yields without them. -> {key: chain} that pays."""
+    def plan(self, options: Sequence[Option], rows: int, decoders: int) -> dict:
+        """options: ways requests could extend their rows (several per request allowed); rows: the
+        step's rows without chains (prompt chunks included); decoders: the requests it decodes,
+        a token each. -> {key: (option, k)}: at most one option per request, the highest
+        acceptance first, each with the k that most raises the decoded tokens per ms, where a
+        chain is charged what its rows add to this forward (and its draft ms) and the tokens are
+        weighed against a forward of the decoders' rows alone (prompt chunks are paid for anyway,
+        and do not make a chain cheaper)."""
         chosen = {}
-        for key, guess, rate in sorted(candidates, key=lambda c: -c[2]):
-            base = tokens / self.cost_ms(rows)
-            best, best_k = base, 0
-            for k in range(1, min(len(guess), self.max_rows - rows) + 1):
-                gain = (tokens + expected_tokens(rate, k)) / self.cost_ms(rows + k)
+        tokens, spent = float(decoders), self.cost_ms(max(decoders, 1))
+        for opt in sorted(options, key=lambda o: -o.rate):
+            if opt.key in chosen:
+                continue
+            best, best_k = tokens / spent, 0
+            for k in range(1, min(opt.most, self.max_rows - rows) + 1):
+                more = self.cost_ms(rows + k) - self.cost_ms(rows) + opt.extra_ms(k)
+                gain = (tokens + expected_tokens(opt.rate, k)) / (spent + more)
                 if gain > best:
                     best, best_k = gain, k
             if best_k:
-                chosen[key] = guess[:best_k]
+                chosen[opt.key] = (opt, best_k)
+                spent += self.cost_ms(rows + best_k) - self.cost_ms(rows) + opt.extra_ms(best_k)
                 rows += best_k
-                tokens += expected_tokens(rate, best_k)
+                tokens += expected_tokens(opt.rate, best_k)
         return chosen
 
 

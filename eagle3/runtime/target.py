@@ -137,37 +137,39 @@ class InferenceTarget:
 
     @torch.inference_mode()
     def forward_rows(self, input_ids: torch.Tensor, rows: SlotRows, cache: SlotCache,
-                     logit_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     logit_rows: Optional[torch.Tensor] = None, capture_ids: Sequence[int] = ()):
         """Continuous batching: the rows of several sequences in one forward, each block appended
         at its own slot's length (`cache.plan`), every linear called once over all rows. Returns
         the logits of each block's last row [num_blocks, V], or of `logit_rows` (indices into the
         forward's rows: a checked chain's every row); on a row-stable layout each equals its
-        sequence's own forward bit for bit."""
+        sequence's own forward bit for bit. With capture_ids: (logits, aux), aux [N, k*H] the
+        inputs of those layers at every row, as __call__ captures them (a draft's features)."""
         # input_ids [N] in the order of rows.blocks
         if input_ids.numel() != rows.num_rows:
             raise ValueError(f"input_ids has {input_ids.numel()} tokens, rows plan {rows.num_rows}")
+        capture = set(capture_ids)
+        if capture:
+            self.check_capture_ids(capture_ids)
         cos, sin = self.rotary(rows.positions.view(1, -1))
         h = self.embed_tokens(input_ids.view(1, -1).to(self.device))
-        if len(rows.blocks) == 1:      # one sequence: its slot is a plain cache (the one-call layers)
-            h = self._one_block(h, cos, sin, rows.blocks[0], cache)
-        else:
-            for i, layer in enumerate(self.layers):
-                h = layer.forward_rows(h, cos, sin, *cache.layer(i), rows)
+        feats = []
+        one = rows.blocks[0] if len(rows.blocks) == 1 else None   # its slot runs as a plain cache
+        if one is not None:
+            mask = self.backend.prepare_mask(None if one.rows == 1 else
+                                             causal_block_mask(one.start, one.rows, h.device))
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                feats.append(h)
+            k_buf, v_buf = cache.layer(i)
+            if one is not None:       # a batch of one decodes as fast as the single-sequence engine
+                h = layer(h, None, cos, sin, k_buf[one.slot:one.slot + 1], v_buf[one.slot:one.slot + 1],
+                          one.start, mask)
+            else:
+                h = layer.forward_rows(h, cos, sin, k_buf, v_buf, rows)
         cache.commit(rows)
         last = h[0, (rows.last if logit_rows is None else logit_rows).to(self.device)]
-        return self.lm_head(self.backend.rms_norm(last, *self.norm))
-
-    def _one_block(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, block,
-                   cache: SlotCache) -> torch.Tensor:
-        """A forward of one sequence's block through the layers as __call__ runs them, on its
-        slot's buffers (a batch of one decodes as fast as the single-sequence engine)."""
-        mask = None if block.rows == 1 else causal_block_mask(block.start, block.rows, h.device)
-        mask = self.backend.prepare_mask(mask)
-        s = block.slot
-        for i, layer in enumerate(self.layers):
-            k_buf, v_buf = cache.layer(i)
-            h = layer(h, None, cos, sin, k_buf[s:s + 1], v_buf[s:s + 1], block.start, mask)
-        return h
+        logits = self.lm_head(self.backend.rms_norm(last, *self.norm))
+        return (logits, torch.cat(feats, dim=-1)[0]) if capture else logits
 
 
 def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,

@@ -115,8 +115,9 @@ def batch_mode(engine, max_batch: int) -> tuple[int, str]:
     policy = next(iter(engine.policies.values()), None)
     stable = bool(getattr(getattr(engine.target, "backend", None), "row_stable", False))
     if policy is not None and stable:
-        inside = ("; inside the batch each request appends the tokens its suffix index guesses "
-                  "where the machine's cost of the rows pays (greedy and sampled)")
+        inside = ("; inside the batch each request appends a chain its suffix index"
+                  + (" or the draft" if engine.draft is not None else "")
+                  + " guesses where the machine's cost of the rows pays (greedy and sampled)")
     else:
         inside = ("; no speculation inside the batch: it needs the adaptive step's cost table and a "
                   "row-stable layout" + ("" if stable else " (this one is not)"))
