@@ -1,4 +1,5 @@
-"""The pipeline on a real target: regenerate data if missing, train, export the draft (SpecForge layout)."""
+"""The pipeline on a real target: regenerate data if missing, train, export the draft (SpecForge
+layout; speculators for a draft with the Eagle 3.1 norms)."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ from tqdm import tqdm
 
 from ..runtime.assets import mtbench_questions, sharegpt_json
 from ..runtime.loader import load_model, load_tokenizer, resolve_model
-from ..draft.formats import save_draft
+from ..draft.formats import export_format, save_draft
 from ..errors import ContractError, UnsupportedError
 from .config import TrainConfig
 from .data import PromptFilter, select_prompts
@@ -80,7 +81,7 @@ def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
                   parts=parts)
     if d.main:
         try:
-            out = save_draft(draft, cfg.out_dir / "draft", "specforge", target.config)
+            out = save_draft(draft, cfg.out_dir / "draft", export_format(draft.config), target.config)
         except UnsupportedError as e:              # a study variant no export layout writes
             print(f"trained in {time.time() - t0:.0f} s; checkpoint {cfg.out_dir / 'checkpoint.pt'} "
                   f"kept, no export: {e}")
