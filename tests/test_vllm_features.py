@@ -2,13 +2,15 @@
 ours), the layer-id contract, the numbering check on the target itself, and (slow, vLLM venv)
 our connector inside vLLM."""
 import json
-import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from eagle3.bench.vllm_peer import default_python
 from eagle3.engines import IDS_KEY
 from eagle3.errors import ContractError, LoadError
 from eagle3.train.dryrun import synthetic_samples
@@ -19,7 +21,7 @@ from eagle3.train.vllm_features import (capture_source, check_layer_ids, read_ca
                                         vllm_layer_ids)
 from eagle3.train.vllm_rows import rows_metadata, split_rows
 
-VLLM_PYTHON = Path(os.environ.get("EAGLE3_VLLM_PYTHON", "/work/main/.venv-vllm/bin/python"))
+VLLM_PYTHON = default_python()      # $EAGLE3_VLLM_PYTHON, else the repository's .venv-vllm
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +129,16 @@ def test_states_one_layer_off_are_caught_on_the_target(target, samples, tmp_path
     assert "-1" in e.value.fix
 
 
+def test_states_of_another_model_are_refused(target, samples, tmp_path):
+    other = tiny_target(seed=5)
+    aux = target.config.default_aux_layer_ids
+    ids = vllm_layer_ids(aux, target.config.num_layers)
+    files = [write_example(tmp_path / f"{i}.safetensors", other, s, ids) for i, s in enumerate(samples)]
+    with pytest.raises(ContractError, match="not this target's residual streams"):
+        build_part(target, samples, key_of(target), tmp_path / "p",
+                   features=capture_source(target, files, aux, ids))
+
+
 def test_captures_of_other_conversations_raise(target, samples, tmp_path):
     aux = target.config.default_aux_layer_ids
     ids = vllm_layer_ids(aux, target.config.num_layers)
@@ -152,24 +164,38 @@ def test_the_connector_module_imports_nothing_of_eagle3_but_the_row_layout():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="no vLLM venv (bash scripts/vllm_env.sh)")
-def test_our_connector_in_vllm_writes_rows_equal_to_our_capture(target, samples, tmp_path):
-    """The tiny target as an HF checkpoint in vLLM's CPU build (fp32, eager), our connector."""
+def test_our_connector_in_vllm_writes_rows_equal_to_our_capture(tmp_path):
+    """A tiny random target as an HF checkpoint in vLLM's CPU build (fp32, eager), our connector.
+    head_dim 64: vLLM's CPU attention has no kernel for the tiny target's 8."""
     from eagle3.bench.vllm_peer import VllmSettings, child_env
+    from eagle3.models.config import ModelConfig
+    from eagle3.models.llama import LlamaModel
     from eagle3.train.tiny import TINY_TARGET
+    cfg = {**TINY_TARGET, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+           "model_type": "llama", "rms_norm_eps": 1e-6, "torch_dtype": "float32", "bos_token_id": 1}
+    target = LlamaModel(ModelConfig.from_hf(cfg)).eval()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in target.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    samples = synthetic_samples(target, 4)
     model_dir = tmp_path / "tiny"
     model_dir.mkdir()
-    cfg = {**TINY_TARGET, "model_type": "llama", "rms_norm_eps": 1e-6, "torch_dtype": "float32",
-           "bos_token_id": 1}
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    save_file({("lm_head.weight" if k == "lm_head.weight" else f"model.{k}"): v.contiguous()
-               for k, v in target.state_dict().items() if k != "lm_head.weight"}, str(model_dir / "model.safetensors"))
+    save_file({f"model.{k}": v.contiguous() for k, v in target.state_dict().items() if k != "lm_head.weight"},
+              str(model_dir / "model.safetensors"))
     aux = target.config.default_aux_layer_ids
     ids = vllm_layer_ids(aux, target.config.num_layers)
-    s = VllmSettings(python=VLLM_PYTHON, work_dir=tmp_path / "work", threads=1, dtype="float32",
+    work = Path(tempfile.mkdtemp(prefix="e3v", dir="/tmp"))   # vLLM's IPC socket paths: < 108 bytes
+    s = VllmSettings(python=VLLM_PYTHON, work_dir=work, threads=1, dtype="float32",
                      enforce_eager=True, max_model_len=64, chain_depth=1)
-    files = run_vllm_capture(VLLM_PYTHON, child_env(s, "capture"), model_dir, [x.ids.tolist() for x in samples],
-                             ids, tmp_path / "captures", dtype="float32", max_model_len=64,
-                             skip_tokenizer_init=True)
+    try:
+        files = run_vllm_capture(VLLM_PYTHON, child_env(s, "c"), model_dir, [x.ids.tolist() for x in samples],
+                                 ids, tmp_path / "captures", dtype="float32", max_model_len=64,
+                                 skip_tokenizer_init=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert read_capture(files[0], target.config.num_layers).layer_ids == tuple(ids)   # recorded
     part = build_part(target, samples, key_of(target), tmp_path / "vllm",
                       features=capture_source(target, files, aux), source="vllm")
     ours = build_part(target, samples, key_of(target), tmp_path / "ours")

@@ -154,9 +154,14 @@ def check_numbering(target: LlamaModel, sample: Sample, cap: Capture, aux_layer_
         rel = {j: typical_rel(theirs, ours[:, near.index(j) * h:(near.index(j) + 1) * h]) for j in near
                if abs(j - i) <= 1}
         best = min(rel, key=rel.get)
-        if best != i or rel[i] > tolerance:
+        if rel[best] > tolerance:
+            raise ContractError(f"vLLM capture of layer id {i}", f"typical relative error {rel[best]:.3g} "
+                                f"or more against our layers {sorted(rel)}", f"< {tolerance} against layer {i}",
+                                "these are not this target's residual streams: capture with the "
+                                "same checkpoint (and a dtype of at least bfloat16)")
+        if best != i:
             raise ContractError(f"vLLM capture of layer id {i}", f"closest to our layer {best} "
-                                f"(relative error {rel[best]:.3g}; {rel[i]:.3g} against layer {i})",
+                                f"(typical relative error {rel[best]:.3g}; {rel[i]:.3g} against layer {i})",
                                 f"layer {i}", "the engine numbers its capture differently from 'input "
                                 "to layer i': shift the ids it is launched with by "
                                 f"{i - best:+d}, or capture with this project's target instead")
