@@ -50,6 +50,7 @@ in llama-cpp-python 0.3.36); SafeAILab/EAGLE eagle/model/cnets.py.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
@@ -146,6 +147,7 @@ class Engine:
     other_methods: tuple[str, ...] = ()      # its non-EAGLE methods (not an EAGLE head)
     num_aux_layers: Optional[int] = None     # the captured-layer count it serves (None: any)
     older_reads: Optional[tuple[IdsSlot, ...]] = None   # what older releases read, where it differs
+    eagle31_since: Optional[str] = None      # first release that runs the Eagle 3.1 norms (None: none)
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
@@ -158,7 +160,7 @@ VLLM = Engine(
     "vllm", "vLLM", reads=(TOP_INPUT, NESTED_INPUT), older_reads=(TOP_INPUT,),
     layouts=("speculators", "vllm", "specforge", "eagle"), export_format="speculators",
     method_option='"method" in --speculative-config', methods={"eagle3": "eagle3", "eagle": "eagle"},
-    other_methods=("suffix", "ngram", "dflash", "mtp", "draft_model"))
+    other_methods=("suffix", "ngram", "dflash", "mtp", "draft_model"), eagle31_since="0.22")
 LLAMA_CPP = Engine(
     "llama.cpp", "llama.cpp", reads=(TOP_INPUT,), layouts=("specforge", "vllm", "eagle"),
     export_format="specforge", method_option="--spec-type", methods={"eagle3": "draft-eagle3"},
@@ -179,6 +181,28 @@ TRAINED_READS = (TOP_INPUT, NESTED_OUTPUT)
 # else draft_model. `vllm serve SPECULATORS_DIR` instead builds the whole config from the checkpoint.
 VLLM_METHOD_FROM_PATH = (("eagle-", "eagle"), ("eagle3", "eagle3"))
 VLLM_METHOD_FALLBACK = "draft_model"
+
+
+# ---------------------------------------------------------------------------- Eagle 3.1 norms
+# speculators' switches (vLLM keeps "method": "eagle3" for them since 0.22): an RMSNorm over the fused
+# k*Ht features before fc (weight input_norm.weight), and the post-norm hidden fed to the next draft
+# step. vLLM reads norm_before_fc from eagle_config, then the top level; norm_output at the top level.
+# An engine that ignores them still runs the draft, with low acceptance and no error.
+EAGLE31_FLAGS = ("norm_before_fc", "norm_output")
+
+
+def eagle31_flags(config: dict) -> dict[str, bool]:
+    """The Eagle 3.1 switches a draft config turns on, read where vLLM reads them."""
+    nested = config.get(NESTED_KEY) or {}
+    return {flag: bool(nested.get(flag, config.get(flag, False))) for flag in EAGLE31_FLAGS}
+
+
+def version_tuple(version: str) -> tuple[int, int, int]:
+    """'0.22.1rc2' -> (0, 22, 1)."""
+    m = re.match(r"v?(\d+)\.(\d+)(?:\.(\d+))?", version.strip())
+    if not m:
+        raise LoadError(f"engine version {version!r}: expected a release number such as 0.22.1")
+    return int(m[1]), int(m[2]), int(m[3] or 0)
 
 
 # ---------------------------------------------------------------------------- reading

@@ -215,3 +215,61 @@ def test_packaged_gguf_target_is_read_from_its_metadata():
     line = f"llama-server -m {gguf} -md d.gguf --spec-type draft-eagle3"
     mismatch = only(lint_launch(line, KIMI_DRAFT, KIMI), "launch.llama.cpp.target")
     assert mismatch.status == "fail" and "(30, 576, 49152)" in mismatch.message
+
+
+# ---------------------------------------------------------------------------- Eagle 3.1 norms
+EAGLE31_CONFIG = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+                  "draft_vocab_size": 32000, "norm_before_fc": True, "norm_output": True,
+                  "eagle_aux_hidden_state_layer_ids": [2, 16, 29]}
+EAGLE31_DRAFT = DraftFacts("eagle3", (2, 16, 29), 128256, 32000, EAGLE31_CONFIG, None, True, True)
+VLLM_31 = ("vllm serve meta-llama/Llama-3.1-8B-Instruct --speculative-config "
+           "'{\"method\": \"eagle3\", \"model\": \"/models/d-eagle3\", \"num_speculative_tokens\": 3}'")
+SGLANG_31 = ("python -m sglang.launch_server --model-path meta-llama/Llama-3.1-8B-Instruct "
+             "--speculative-algorithm EAGLE3 --speculative-draft-model-path /models/d "
+             "--speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4")
+
+
+@pytest.mark.parametrize("line,versions,status,words", [
+    (VLLM_31, {"vllm": "0.32.0"}, "pass", "vLLM 0.32.0 runs norm_before_fc=true and norm_output=true"),
+    (VLLM_31, {"vllm": "0.21.3"}, "fail", "0.21.3 ignores"),
+    (VLLM_31, None, "warn", "runs them from 0.22"),
+    (SGLANG_31, None, "fail", "SGLang does not run these norms"),
+    ("llama-server -m t.gguf -md d.gguf --spec-type draft-eagle3 --spec-draft-n-max 3", None, "fail",
+     "llama.cpp does not run these norms"),
+])
+def test_an_eagle31_draft_needs_an_engine_that_runs_its_norms(line, versions, status, words):
+    engine = line.split()[0].replace("llama-server", "llama.cpp").replace("python", "sglang")
+    check = only(lint_launch(line, EAGLE31_DRAFT, LLAMA, versions), f"launch.{engine}.eagle31_norms")
+    assert check.status == status and words in check.message, check.message
+    if status != "pass":
+        assert "vLLM >= 0.22" in check.fix and "retrain without norm_before_fc / norm_output" in check.fix
+
+
+def test_eagle31_norms_the_config_does_not_carry_fail_on_vllm():
+    draft = DraftFacts("eagle3", (2, 16, 29), 128256, 32000, {**EAGLE31_CONFIG, "norm_output": False},
+                       None, True, True)
+    check = only(lint_launch(VLLM_31, draft, LLAMA, {"vllm": "0.32"}), "launch.vllm.eagle31_norms")
+    assert check.status == "fail" and "does not set norm_output" in check.message
+
+
+def test_eagle31_norms_are_read_from_a_config_without_draft_facts(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(EAGLE31_CONFIG))
+    line = VLLM_31.replace("/models/d-eagle3", str(tmp_path))
+    check = only(lint_launch(line, None, LLAMA, {"vllm": "0.21"}), "launch.vllm.eagle31_norms")
+    assert check.status == "fail"
+    # SpecForge's norm_output means the final norm: not an Eagle 3.1 switch
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_DRAFT_EXPORTED.config, "norm_output": True}))
+    assert not [c for c in lint_launch(line, None, LLAMA) if c.name == "launch.vllm.eagle31_norms"]
+
+
+def test_a_plain_draft_gets_no_norm_check():
+    assert not [c for c in lint_launch(VLLM_31, LLAMA_DRAFT_EXPORTED, LLAMA) if "eagle31" in c.name]
+
+
+def test_engine_versions_flag():
+    from eagle3.doctor import engine_versions
+    from eagle3.errors import InputError
+    assert engine_versions(["vllm=0.32.0", "sglang=0.5.3"]) == {"vllm": "0.32.0", "sglang": "0.5.3"}
+    for bad in ("vllm", "tgi=1.0", "vllm=latest"):
+        with pytest.raises(InputError, match="--engine-version"):
+            engine_versions([bad])

@@ -294,15 +294,22 @@ def test_t2d_derived_from_d2t(pair, tmp_path):
     ("specforge", "norm_output", False),       # SpecForge: false = no final norm
     ("specforge", "fc_norm", True),
     ("specforge", "tie_word_embeddings", True),
-    ("speculators", "norm_output", True),      # speculators: true = post-norm hidden fed back
-    ("speculators", "norm_before_fc", True),
     ("speculators", "norm_before_residual", True),
+    ("specforge", "norm_before_fc", True),     # the Eagle 3.1 switches live in speculators / vLLM layouts
 ])
 def test_unimplemented_flags_raise(pair, tmp_path, fmt, flag, value):
     target, draft = pair
     out = save_draft(draft, tmp_path / fmt, fmt, target.config)
     edit_config(out, lambda hf: hf.update({flag: value}))
     with pytest.raises(UnsupportedError, match=f"{flag}={value}"):
+        load_draft(out, target.config)
+
+
+def test_eagle31_switch_that_is_not_a_boolean_raises(pair, tmp_path):
+    target, draft = pair
+    out = save_draft(draft, tmp_path / "sp", "speculators", target.config)
+    edit_config(out, lambda hf: hf.update({"norm_output": "yes"}))
+    with pytest.raises(LoadError, match="norm_output: expected one boolean"):
         load_draft(out, target.config)
 
 

@@ -111,6 +111,31 @@ def test_eagle31_draft_is_not_exported_silently(target, tmp_path):
         save_draft(eagle31_draft(target, True, False), tmp_path / "d", "specforge", target.config)
 
 
+@pytest.mark.parametrize("norm_before_fc,norm_output", [(True, False), (False, True), (True, True)])
+def test_eagle31_draft_round_trips_in_the_speculators_layout(target, tmp_path, norm_before_fc, norm_output):
+    """The switches under speculators' (and vLLM's) config keys, the norm as input_norm.weight;
+    our loader reads both back."""
+    from safetensors import safe_open
+    from eagle3.draft.formats import export_format, load_draft
+    draft = eagle31_draft(target, norm_before_fc, norm_output)
+    assert export_format(draft.config) == "speculators"
+    out = save_draft(draft, tmp_path / "d", export_format(draft.config), target.config)
+    hf = json.loads((out / "config.json").read_text())
+    assert (hf["norm_before_fc"], hf["norm_output"]) == (norm_before_fc, norm_output)
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert ("input_norm.weight" in keys) == norm_before_fc and "pre_fc_norm.weight" not in keys
+    loaded = load_draft(out, target=target).draft
+    assert (loaded.config.norm_before_fc, loaded.config.norm_output) == (norm_before_fc, norm_output)
+    for k, v in draft.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+
+
+def test_a_plain_draft_is_exported_as_specforge(target):
+    from eagle3.draft.formats import export_format
+    assert export_format(eagle31_draft(target, False, False).config) == "specforge"
+
+
 def test_norm_switches_reach_the_draft_and_train_its_norm(target, samples, tmp_path):
     draft = train(target, samples, replace(BASE, norm_before_fc=True, norm_output=True, max_steps=2),
                   out=tmp_path)

@@ -1,6 +1,6 @@
 """`eagle3 doctor`: catch the zero-acceptance misconfigurations before they cost days.
 
-    eagle3 doctor [--target T] [--draft D] [--launch "LINE"]... [--json] [--no-probe]
+    eagle3 doctor [--target T] [--draft D] [--launch "LINE"]... [--engine-version vllm=X] [--json] [--no-probe]
     eagle3 doctor --server URL [--api-key K] [--model NAME] [--target T --draft D] [--json]
 
 Prints a table of checks (pass / warn / fail, each failure with its fix) and exits 1 on a failure.
@@ -13,6 +13,8 @@ import sys
 from typing import Optional
 
 from .. import settings
+from ..engines import ENGINES, version_tuple
+from ..errors import InputError, LoadError
 from .checks import ProbeSettings, run_doctor
 from .launch import DraftFacts, TargetFacts, lint_launch
 from .report import Check, DoctorReport
@@ -28,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "'none' = lint launch lines only)")
     p.add_argument("--launch", action="append", default=[], metavar="LINE",
                    help="an SGLang / vLLM / llama.cpp command line to lint (repeatable)")
+    p.add_argument("--engine-version", action="append", default=[], metavar="ENGINE=VERSION",
+                   help="the release an engine on a --launch line runs, e.g. vllm=0.32.0 (the Eagle "
+                        "3.1 norms run from vLLM 0.22)")
     p.add_argument("--algorithm", type=str.lower, choices=["eagle3", "eagle"],
                    help="the algorithm you intend to run the draft with (checked against the draft)")
     p.add_argument("--json", action="store_true", help="print the report as JSON (for CI)")
@@ -61,21 +66,38 @@ def resolve_draft(draft: str, target: Optional[str]) -> Optional[str]:
     return draft
 
 
+def engine_versions(items: list[str]) -> dict[str, str]:
+    """--engine-version vllm=0.32.0 ... -> {"vllm": "0.32.0"}; a bad item raises naming it."""
+    out = {}
+    for item in items:
+        engine, sep, version = item.partition("=")
+        if not sep or engine not in ENGINES:
+            raise InputError(f"--engine-version {item!r}: expected ENGINE=VERSION with ENGINE one of "
+                             f"{', '.join(ENGINES)}, e.g. vllm=0.32.0")
+        try:
+            version_tuple(version)
+        except LoadError as e:
+            raise InputError(f"--engine-version {item!r}: {e}") from None
+        out[engine] = version
+    return out
+
+
 def doctor_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     settings = ProbeSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k,
                              depth=args.depth, num_draft_tokens=args.num_draft_tokens)
     if args.server:
         return server_main(args)
+    versions = engine_versions(args.engine_version)
     draft = resolve_draft(args.draft, args.target)
     lint_only = draft is None and args.launch and args.draft == "none"
     if lint_only:
         report = DoctorReport()
         for line in args.launch:
-            report.extend(lint_launch(line))
+            report.extend(lint_launch(line, versions=versions))
     else:
         report = run_doctor(args.target, draft, args.launch, probe=not args.no_probe,
-                            algorithm=args.algorithm, settings=settings)
+                            algorithm=args.algorithm, settings=settings, versions=versions)
     print(report.to_json() if args.json else report.table())
     return report.exit_code
 

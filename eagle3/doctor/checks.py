@@ -166,8 +166,10 @@ def launch_facts(pair: Pair) -> tuple[Optional[DraftFacts], Optional[TargetFacts
     draft = None
     if pair.info is not None:
         i = pair.info
+        cfg = getattr(pair.draft, "config", None)
         draft = DraftFacts(i.algorithm, tuple(i.aux_layer_ids), i.vocab_size, i.draft_vocab_size,
-                           pair.draft_config or {}, i.path)
+                           pair.draft_config or {}, i.path, bool(getattr(cfg, "norm_before_fc", False)),
+                           bool(getattr(cfg, "norm_output", False)))
     target = None if pair.target is None else TargetFacts.of(pair.target.config, pair.target_path)
     return draft, target
 
@@ -300,11 +302,13 @@ def shifted_draft(draft: Any, ids: tuple[int, ...]) -> Any:
 def run_doctor(target: Any = None, draft: Optional[str | Path] = None,
                launch: Optional[str | Sequence[str]] = None, probe: bool = True,
                algorithm: Optional[str] = None, tokenizer: Any = None,
-               settings: ProbeSettings = ProbeSettings()) -> DoctorReport:
+               settings: ProbeSettings = ProbeSettings(),
+               versions: Optional[dict[str, str]] = None) -> DoctorReport:
     """Check a target/draft pair (and optionally launch lines); never raises for a failed check.
 
     target: a loaded target (LlamaModel / HFTarget), or a spec (None = packaged SmolLM2, a .gguf,
     an HF directory). draft: a draft directory. launch: one or more command lines to lint.
+    versions: engine name -> release, for the launch checks that depend on it.
     """
     report = DoctorReport()
     pair = load_target_checked(target, report)
@@ -313,7 +317,7 @@ def run_doctor(target: Any = None, draft: Optional[str | Path] = None,
     if pair.draft is not None and pair.target is not None:
         report.checks += contract_checks(pair)
     for line in [launch] if isinstance(launch, str) else list(launch or []):
-        report.checks += lint_launch(line, *launch_facts(pair))
+        report.checks += lint_launch(line, *launch_facts(pair), versions=versions)
     contract_ok = not any(c.name.startswith(("contract.", "draft.")) for c in report.failures)
     if probe and pair.draft is not None and pair.info.embedding_attached and contract_ok:
         probe_checks(pair, settings, report)

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from ..engines import (EAGLE3_ARCHITECTURES, ENGINES, LLAMA_CPP, NESTED_KEY, SGLANG, SPECULATORS_KEY,
-                       TRAINED_READS, VLLM, Reading, describe, engine_reading, is_speculators,
-                       read_ids, speculators_spec, vllm_method)
+                       TRAINED_READS, VLLM, Reading, describe, eagle31_flags, engine_reading,
+                       is_speculators, read_ids, speculators_spec, version_tuple, vllm_method)
 from ..errors import LoadError
 from ..models.config import default_capture_ids
 from ..models.target import TargetFacts
@@ -41,6 +41,8 @@ class DraftFacts:
     draft_vocab_size: int
     config: dict[str, Any] = field(default_factory=dict)   # raw config.json, as engines read it
     path: Optional[str] = None
+    norm_before_fc: bool = False          # Eagle 3.1 switches the draft was trained with
+    norm_output: bool = False
 
 
 # ---------------------------------------------------------------------------- reading local files
@@ -159,6 +161,51 @@ def check_ids(engine: str, draft: Optional[DraftFacts], config: Optional[dict],
                          f"{list(trained.ids)}{told} ({view.source})")]
 
 
+# ---------------------------------------------------------------------------- Eagle 3.1 norms
+def trained_norms(draft: Optional[DraftFacts], config: Optional[dict]) -> dict[str, bool]:
+    """The Eagle 3.1 switches the draft was trained with: the loader's reading, else its config.json
+    where a layout carries them (speculators, vLLM; SpecForge's norm_output means the final norm)."""
+    if draft is not None:
+        return {"norm_before_fc": draft.norm_before_fc, "norm_output": draft.norm_output}
+    if config is None:
+        return {}
+    arch = (config.get("architectures") or [""])[0]
+    if is_speculators(config) or EAGLE3_ARCHITECTURES.get(arch) == "vllm":
+        return eagle31_flags(config)
+    return {}
+
+
+def check_norms(engine: str, draft: Optional[DraftFacts], config: Optional[dict],
+                version: Optional[str]) -> list[Check]:
+    """A draft trained with the Eagle 3.1 norms must be served by an engine (and release) that runs
+    them: one that ignores them serves it without error and accepts little."""
+    on = [flag for flag, value in trained_norms(draft, config).items() if value]
+    if not on:
+        return []
+    name, spec = f"launch.{engine}.eagle31_norms", ENGINES[engine]
+    what = " and ".join(f"{flag}=true" for flag in on)
+    fix = (f"serve it with vLLM >= {VLLM.eagle31_since} from the speculators layout (eagle3 export "
+           f"--format speculators), or retrain without {' / '.join(on)}")
+    if spec.eagle31_since is None:
+        return [failed(name, f"the draft was trained with {what} (Eagle 3.1); {spec.label} does not "
+                             "run these norms: it serves the draft without them and acceptance drops, "
+                             "with no error", fix)]
+    since = spec.eagle31_since
+    if version is None:
+        return [warned(name, f"the draft was trained with {what}; {spec.label} runs them from {since}, "
+                             "older releases ignore them with no error (release not known here)",
+                       f"check the release: eagle3 doctor --engine-version {engine}=X; {fix}")]
+    if version_tuple(version) < version_tuple(since):
+        return [failed(name, f"{spec.label} {version} ignores {what} (runs them from {since}): the "
+                             "draft is served without its norms and accepts little", fix)]
+    stored = eagle31_flags(config) if config is not None else {}
+    missing = [flag for flag in on if not stored.get(flag)]
+    if missing:
+        return [failed(name, f"the draft was trained with {what} but its config.json does not set "
+                             f"{', '.join(missing)}: {spec.label} will not run them", fix)]
+    return [passed(name, f"{spec.label} {version} runs {what} as trained")]
+
+
 # ---------------------------------------------------------------------------- shared checks
 def check_draft_path(engine: str, path: Optional[str], draft: Optional[DraftFacts],
                      flag: str) -> list[Check]:
@@ -204,7 +251,8 @@ def check_same_target(engine: str, line_target: Optional[TargetFacts],
 
 
 # ---------------------------------------------------------------------------- SGLang
-def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts]) -> list[Check]:
+def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts],
+                version: Optional[str] = None) -> list[Check]:
     o = cmd.options
     line_target = read_target_facts(o.get("model"))
     target = target or line_target
@@ -213,6 +261,7 @@ def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[Targ
     out += check_draft_path("sglang", o.get("draft"), draft, "--speculative-draft-model-path")
     config = (draft.config if draft and draft.config else None) or read_draft_config(o.get("draft"))
     out += check_ids("sglang", draft, config, target, o.get("draft"))
+    out += check_norms("sglang", draft, config, version)
     out += check_vocab("sglang", draft, target)
     out += sglang_tree(o)
     return out
@@ -346,7 +395,8 @@ def speculators_served(model: Optional[str]) -> tuple[dict[str, Any], Optional[s
                                    f"{spec['method']} and this draft")]
 
 
-def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts]) -> list[Check]:
+def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[TargetFacts],
+              version: Optional[str] = None) -> list[Check]:
     model = cmd.options.get("model") or (cmd.positionals[0] if cmd.positionals else None)
     spec, out = vllm_spec(cmd)
     if not spec:
@@ -366,6 +416,7 @@ def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[Target
     out += vllm_num_tokens(spec)
     config = (draft.config if draft and draft.config else None) or read_draft_config(spec.get("model"))
     out += check_ids("vllm", draft, config, target, spec.get("model"))
+    out += check_norms("vllm", draft, config, version)
     out += check_vocab("vllm", draft, target)
     return out
 
@@ -428,6 +479,7 @@ def lint_llama_server(cmd: Command, draft: Optional[DraftFacts], target: Optiona
     elif o.get("draft"):
         out += llama_draft_gguf(Path(o["draft"]).expanduser(), draft, target)
     out += llama_n_max(o.get("n_max"))
+    out += check_norms("llama.cpp", draft, draft.config if draft else None, None)
     out += check_vocab("llama.cpp", draft, target)
     return out
 
@@ -552,9 +604,10 @@ LINTERS = {"sglang": lint_sglang, "vllm": lint_vllm, "llama.cpp": lint_llama_ser
            "llama.cpp-convert": lint_llama_convert}
 
 
-def lint_launch(line: str, draft: Optional[DraftFacts] = None,
-                target: Optional[TargetFacts] = None) -> list[Check]:
-    """Checks for every SGLang / vLLM / llama.cpp command found in `line`."""
+def lint_launch(line: str, draft: Optional[DraftFacts] = None, target: Optional[TargetFacts] = None,
+                versions: Optional[dict[str, str]] = None) -> list[Check]:
+    """Checks for every SGLang / vLLM / llama.cpp command found in `line`. `versions`: engine name
+    -> its release, where known (what it runs can depend on it)."""
     commands = parse_line(line)
     if not commands:
         return [failed("launch.engine", "no SGLang, vLLM or llama.cpp command found in the line",
@@ -572,5 +625,5 @@ def lint_launch(line: str, draft: Optional[DraftFacts] = None,
         elif cmd.engine == "llama.cpp":
             out += lint_llama_server(cmd, draft, target, converted)
         else:
-            out += LINTERS[cmd.engine](cmd, draft, target)
+            out += LINTERS[cmd.engine](cmd, draft, target, (versions or {}).get(cmd.engine))
     return out

@@ -20,7 +20,9 @@ sometimes store it), optional in vllm and speculators (older speculators release
 Variant flags (one table, VARIANT_FLAGS below): each has the value we implement; any other value raises
 UnsupportedError naming the flag. `norm_output` means different things: SpecForge default true = final
 norm before lm_head (ours), false = no final norm; speculators default false, true = feed the post-norm
-hidden back across steps (Eagle 3.1). `norm_before_residual` defaults to false in the speculators library
+hidden back across steps (Eagle 3.1). The Eagle 3.1 switches (`norm_before_fc`, speculators' `norm_output`)
+are read and written in the speculators and vLLM layouts, where vLLM >= 0.22 reads them (engines.py);
+their norm's weight is `input_norm.weight` there and `pre_fc_norm.weight` in our module. `norm_before_residual` defaults to false in the speculators library
 and llama.cpp but to TRUE in vLLM's speculators reader, so a speculators config without it is ambiguous
 and is rejected.
 
@@ -49,7 +51,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..engines import (EAGLE3_ARCHITECTURES, IDS_KEY, LAYOUTS, NESTED_KEY, NESTED_OUTPUT,
-                       SPECULATORS_KEY, TOP_INPUT, is_speculators)
+                       SPECULATORS_KEY, TOP_INPUT, eagle31_flags, is_speculators)
 from ..errors import ContractError, InputError, LoadError, UnsupportedError
 from ..models.config import ModelConfig, RopeConfig
 from ..models.target import TargetFacts
@@ -61,14 +63,24 @@ from .model import DraftBase, DraftConfig, build_draft
 FORMATS = tuple(LAYOUTS)
 WRITABLE_FORMATS = ("specforge", "speculators", "eagle")
 
+
+def export_format(cfg: DraftConfig) -> str:
+    """The layout a trained draft is written in: speculators when it carries the Eagle 3.1 norms
+    (the one writable layout that records them), else specforge (SGLang, vLLM and llama.cpp)."""
+    return "speculators" if cfg.norm_before_fc or cfg.norm_output else "specforge"
+
 # flag -> {algorithm, format or "*": value we implement}, looked up in that order; a missing flag takes the
 # listed value unless marked REQUIRED.
 REQUIRED = object()
+EAGLE31 = object()          # an Eagle 3.1 switch (speculators' meaning): read into DraftConfig, either value
+# the 3.1 norm over the fused features: speculators' and vLLM's weight name -> our module's
+EAGLE31_KEYS = {"input_norm.weight": "pre_fc_norm.weight"}
+EAGLE31_LAYOUTS = ("speculators", "vllm")
 VARIANT_FLAGS: dict[str, dict[str, Any]] = {
     "norm_before_residual": {"*": False, "speculators": REQUIRED},
-    "norm_before_fc": {"*": False},
+    "norm_before_fc": {"speculators": EAGLE31, "vllm": EAGLE31, "*": False},
     "fc_norm": {"*": False},
-    "norm_output": {"specforge": True, "speculators": False, "*": None},
+    "norm_output": {"specforge": True, "speculators": EAGLE31, "vllm": EAGLE31, "*": None},
     "bias": {"eagle": True, "*": False},    # bias on fc (SGLang EAGLE-3 reads it; EAGLE-1/2 fc has one)
     "attention_bias": {"*": False},
     "qkv_bias": {"*": False},
@@ -224,6 +236,10 @@ def check_flags(hp: dict, fmt: str, algo: str) -> None:
             continue
         if want is REQUIRED:
             want = rule["*"]
+        if want is EAGLE31:
+            if any(not isinstance(v, bool) for v in found) or len(set(found)) > 1:
+                raise LoadError(f"{flag}: expected one boolean, found {found} ({fmt} layout)")
+            continue
         for value in found:
             if value != want and not (want is None and value in (None, False)):
                 raise UnsupportedError(f"draft config flag {flag}={value!r} ({fmt} layout) is not "
@@ -301,7 +317,13 @@ def detect_algorithm(hp: dict, fmt: str, shapes: dict) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------- DraftConfig
-def draft_config(hp: dict, algo: str, ids: LayerIds) -> DraftConfig:
+def eagle31_of(hp: dict, fmt: str) -> dict[str, bool]:
+    """norm_before_fc / norm_output, read as vLLM reads them, in the layouts that carry them; every
+    other layout implements only False (check_flags)."""
+    return eagle31_flags(hp) if fmt in EAGLE31_LAYOUTS else {}
+
+
+def draft_config(hp: dict, algo: str, ids: LayerIds, fmt: str = "") -> DraftConfig:
     hidden = int(hp["hidden_size"])
     heads = int(hp["num_attention_heads"])
     vocab = int(hp["vocab_size"])
@@ -314,7 +336,7 @@ def draft_config(hp: dict, algo: str, ids: LayerIds) -> DraftConfig:
         rms_norm_eps=float(hp.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(hp),
         max_position=int(hp.get("max_position_embeddings", 2048)), vocab_size=vocab,
         draft_vocab_size=int(hp.get("draft_vocab_size") or vocab) if algo == "eagle3" else vocab,
-        aux_layer_ids=ids.ids)
+        aux_layer_ids=ids.ids, **eagle31_of(hp, fmt))
 
 
 def check_fc_width(cfg: DraftConfig, shapes: dict, ids: LayerIds) -> None:
@@ -387,7 +409,7 @@ def inspect_draft(path: str | os.PathLike, target_config: Optional[ModelConfig] 
         raise algorithm_mismatch_error(normalize_algorithm(algorithm), algo)
     check_flags(head.hp, head.format, algo)
     ids, notes = layer_ids_for(head, algo, target_config)
-    cfg = draft_config(head.hp, algo, ids)
+    cfg = draft_config(head.hp, algo, ids, head.format)
     check_fc_width(cfg, head.shapes, ids)
     info = DraftInfo(
         path=str(head.path), format=head.format, architecture=head.architecture, algorithm=algo,
@@ -425,7 +447,7 @@ def module_state(state: dict[str, torch.Tensor], prefix: str, algo: str) -> dict
             continue
         if algo == "eagle3" and key.startswith(prefix):
             key = "midlayer." + key[len(prefix):]
-        out[key] = tensor
+        out[EAGLE31_KEYS.get(key, key)] = tensor
     return out
 
 
@@ -582,7 +604,7 @@ def speculators_config(cfg: DraftConfig, dtype: torch.dtype, target: Optional[Ta
     hf = {"architectures": [LAYOUTS["speculators"].architecture], SPECULATORS_KEY: "eagle3",
             "transformer_layer_config": llama_fields(cfg, dtype),
             "draft_vocab_size": cfg.draft_vocab_size, "norm_before_residual": False,
-            "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+            "norm_before_fc": cfg.norm_before_fc, "fc_norm": False, "norm_output": cfg.norm_output,
             "target_hidden_size": (cfg.target_hidden_size
                                    if cfg.target_hidden_size != cfg.hidden_size else None),
             "torch_dtype": dtype_name(dtype),
@@ -621,6 +643,7 @@ def checkpoint_state(draft: DraftBase, fmt: str, dtype: torch.dtype) -> dict[str
         prefix = LAYOUTS[fmt].layer_prefix
         if key.startswith("midlayer.") and prefix != "midlayer.":
             key = prefix + key[len("midlayer."):]
+        key = {ours: theirs for theirs, ours in EAGLE31_KEYS.items()}.get(key, key)
         out[key] = tensor.detach().to("cpu", dtype if tensor.is_floating_point() else tensor.dtype)
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -634,11 +657,16 @@ def save_draft(draft: DraftBase, out_dir: str | os.PathLike, fmt: str = "specfor
     cfg = draft.config
     if cfg.algorithm == "eagle" and fmt != "eagle":
         raise UnsupportedError(f"{fmt} is an EAGLE-3 layout; EAGLE-1/2 drafts are saved as 'eagle'")
-    if cfg.norm_before_fc or cfg.norm_output or cfg.num_layers != 1:
+    if cfg.num_layers != 1:
         raise UnsupportedError(
-            "this draft was trained with the Eagle 3.1 norms (norm_before_fc/norm_output) or more than "
-            "one layer (num_layers), which no export layout here writes and llama.cpp / SGLang do "
-            "not run; train without them to export")
+            f"this draft has num_layers={cfg.num_layers} (draft_layers): every export layout and "
+            "engine runs one; train with draft_layers = 1 to export")
+    if (cfg.norm_before_fc or cfg.norm_output) and fmt not in EAGLE31_LAYOUTS:
+        raise UnsupportedError(
+            f"this draft was trained with the Eagle 3.1 norms (norm_before_fc={cfg.norm_before_fc}, "
+            f"norm_output={cfg.norm_output}); the {fmt} layout cannot carry them (SpecForge's "
+            "norm_output means the final norm, and SGLang / llama.cpp do not run them). Save it "
+            "as speculators (served by vLLM >= 0.22), or train without the norms")
     target = as_facts(target_info)
     dtype = dtype or draft.fc.weight.dtype
     hf = {"specforge": lambda: specforge_config(cfg, dtype, target),

@@ -41,7 +41,7 @@ class DraftConfig:
     vocab_size: int                      # target vocabulary V
     draft_vocab_size: int                # Vd (== V for EAGLE-1/2)
     aux_layer_ids: tuple[int, ...] = ()  # "input to layer i" convention; empty for EAGLE-1/2
-    # Eagle 3.1 variants (speculators): trained and served here, not written to any export format
+    # Eagle 3.1 variants (speculators' meaning): trained, served, written in the speculators layout
     norm_before_fc: bool = False         # RMSNorm over the fused k*Ht features before fc
     norm_output: bool = False            # the hidden fed back across steps is the post-norm one
     num_layers: int = 1                  # >1: Llama layers after the midlayer (the study's (j); not exported)

@@ -21,6 +21,8 @@ class TrainConfig:
     target: Optional[str] = None          # None = packaged SmolLM2
     out: str = "runs/train"
     data: Optional[str | tuple[str, ...]] = None   # conversations.jsonl file(s), read in order; None = <out>/data
+    speculators_data: Optional[str] = None  # a speculators offline-data directory (ids, hidden states, vocab)
+    speculators_layer_ids: Optional[tuple[int, ...]] = None  # its hs_<i> files' vLLM layer ids (not recorded)
     # data generation (when data is missing)
     num_prompts: int = 2000
     regen_max_new_tokens: int = 256
@@ -80,6 +82,9 @@ class TrainConfig:
             raise InputError(f"draft_layers={self.draft_layers}: the midlayer counts, so >= 1")
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise InputError(f"max_tokens={self.max_tokens}: a token budget > 0, or null for all epochs")
+        if self.speculators_data and (self.data or self.eval_data):
+            raise InputError("speculators_data brings its own conversations: drop data / eval_data "
+                             "(its held-out share is eval_fraction)")
         if self.optimizer == "muon" and self.fc_precondition:
             raise InputError("fc_precondition rescales AdamW's per-element steps on fc; with "
                              "optimizer=muon set fc_precondition=false")

@@ -39,6 +39,13 @@ class Prepared(NamedTuple):
     vocab: DraftVocab
 
 
+class External(NamedTuple):
+    """Data made elsewhere (speculators): its draft vocabulary, and where each store part's rows
+    come from instead of the target run here: part name -> (store.FeatureFn, source label)."""
+    vocab: Optional[DraftVocab] = None
+    features: dict[str, tuple] = {}   # never mutated
+
+
 class DataPart(NamedTuple):
     """A run's samples come from parts (data files) in order; each is one part of the feature store."""
     name: str               # store part directory (store.part_name of the file)
@@ -68,12 +75,15 @@ def split_parts(parts: Sequence[DataPart], eval_fraction: float) -> tuple[list[i
 
 
 def prepare(samples: list[Sample], cfg: TrainConfig, vocab_size: int, out: Optional[Path],
-            warm: Optional["WarmSource"] = None, parts: Optional[Sequence[DataPart]] = None) -> Prepared:
+            warm: Optional["WarmSource"] = None, parts: Optional[Sequence[DataPart]] = None,
+            given: Optional[DraftVocab] = None) -> Prepared:
     train_idx, eval_idx = split_parts(parts or [DataPart("samples", len(samples))], cfg.eval_fraction)
     counts = count_tokens((samples[i].ids[samples[i].loss_mask] for i in train_idx), vocab_size)
     if warm is not None:
         # a warm start keeps the source's draft vocabulary, so more data can be added to a run
         vocab = warm.vocab(vocab_size)
+    elif given is not None:                       # the data's own map (speculators d2t/t2d)
+        vocab = given
     else:
         vocab = build_vocab(counts, min(cfg.draft_vocab_size, vocab_size))
     if out is not None:
@@ -187,8 +197,12 @@ def fc_column_scale(batch: Batch) -> torch.Tensor:
 
 
 def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], cfg: TrainConfig,
-                   d: Dist, out: Path, parts: Optional[Sequence[DataPart]] = None) -> FeatureSource:
+                   d: Dist, out: Path, parts: Optional[Sequence[DataPart]] = None,
+                   external: External = External()) -> FeatureSource:
     if cfg.features == "online":
+        if external.features:
+            raise InputError("features=online runs the target here; data with its own hidden states "
+                             "(speculators_data) trains from the store: set features=store")
         return FeatureSource(prep.samples, aux_ids, target=target)
     root = Path(cfg.features_dir) if cfg.features_dir else out / "features"
     key = PartKey(target_fingerprint(target), tuple(aux_ids), STORE_DTYPE)
@@ -196,7 +210,8 @@ def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], c
     for part in parts or [DataPart("samples", len(prep.samples))]:
         samples = prep.samples[start:start + part.count]
         if d.main and not part_complete(root / part.name, key, samples):
-            build_part(target, samples, key, root / part.name,
+            features, source = external.features.get(part.name, (None, "this process"))
+            build_part(target, samples, key, root / part.name, features=features, source=source,
                        progress=lambda **kw: tqdm(desc=f"features {part.name}", mininterval=10, **kw))
         if d.world > 1:
             dist.barrier()
@@ -207,11 +222,13 @@ def feature_source(target: LlamaModel, prep: Prepared, aux_ids: Sequence[int], c
 
 def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist,
               out: Optional[Path], warm: Optional[WarmSource] = None,
-              parts: Optional[Sequence[DataPart]] = None) -> tuple[Run, TTTModel]:
-    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None, warm, parts)
+              parts: Optional[Sequence[DataPart]] = None,
+              external: External = External()) -> tuple[Run, TTTModel]:
+    prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None, warm, parts, external.vocab)
     draft = make_draft(target, cfg, prep.vocab)
     model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay, cfg.feature_noise))
-    source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d, out or cfg.out_dir, parts)
+    source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d, out or cfg.out_dir, parts,
+                            external)
     # fc statistics on the first training batch (deterministic, so a resumed run gets the same)
     first = source.batch(prep.train_idx[:cfg.batch_size]) if cfg.fc_init_rms or cfg.fc_precondition else None
     if cfg.fc_init_rms:
@@ -229,13 +246,15 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
 
 
 def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist = Dist(),
-          out: Optional[Path] = None, progress=None, parts: Optional[Sequence[DataPart]] = None) -> Eagle3Draft:
+          out: Optional[Path] = None, progress=None, parts: Optional[Sequence[DataPart]] = None,
+          external: External = External()) -> Eagle3Draft:
     """Train (resuming from out/checkpoint.pt when present) and return the draft. `parts`: where
-    the samples come from (data files in order, the held-out file last); None = one part."""
+    the samples come from (data files in order, the held-out file last); None = one part.
+    `external`: a vocabulary and feature rows made elsewhere (speculators data)."""
     out = out or cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     warm = WarmSource.load(Path(cfg.init_from), target.config) if cfg.init_from else None
-    run, model = build_run(target, samples, cfg, d, out, warm, parts)
+    run, model = build_run(target, samples, cfg, d, out, warm, parts, external)
     state = TrainState(0, Cursor(0, 0))
     if run.ckpt.is_file():
         state = restore(run.ckpt, model, run.opt)

@@ -1,8 +1,10 @@
-"""The pipeline on a real target: regenerate data if missing, train, export the draft (SpecForge layout)."""
+"""The pipeline on a real target: regenerate data if missing, train, export the draft (SpecForge
+layout; speculators for a draft with the Eagle 3.1 norms)."""
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -10,12 +12,13 @@ from tqdm import tqdm
 
 from ..runtime.assets import mtbench_questions, sharegpt_json
 from ..runtime.loader import load_model, load_tokenizer, resolve_model
-from ..draft.formats import save_draft
+from ..draft.formats import export_format, save_draft
 from ..errors import ContractError, UnsupportedError
 from .config import TrainConfig
 from .data import PromptFilter, select_prompts
 from .features import load_conversations
-from .pipeline import DataPart, train
+from .pipeline import DataPart, External, train
+from .speculators_data import aux_ids_for, check_not_empty, read_speculators_data, speculators_features
 from .store import part_name
 from .regen import RegenConfig, RegenJob, run_regen
 from .trainer import Dist, load_checkpoint
@@ -64,6 +67,19 @@ def load_data(cfg: TrainConfig) -> tuple[list, list[DataPart]]:
     return samples, parts
 
 
+def speculators_run(cfg: TrainConfig, target) -> tuple[TrainConfig, list, list[DataPart], External]:
+    """A run on a speculators data directory: its conversations (one part), vocabulary, layers and
+    hidden states (the feature store is filled from them, the teacher made here)."""
+    data = read_speculators_data(cfg.speculators_data, target.config.num_layers, target.config.vocab_size,
+                                 cfg.draft_vocab_size, cfg.max_len, cfg.speculators_layer_ids)
+    check_not_empty(data)
+    cfg = replace(cfg, aux_layer_ids=aux_ids_for(cfg.aux_layer_ids, data))
+    name = part_name(data.root)
+    source = f"speculators {data.layout} data {data.root}"
+    return cfg, data.samples, [DataPart(name, len(data.samples))], External(
+        data.vocab, {name: (speculators_features(target, data), source)})
+
+
 def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
     src = resolve_model(cfg.target)
     target = load_model(src.hf_dir)
@@ -71,16 +87,21 @@ def run_pipeline(cfg: TrainConfig, d: Dist) -> int:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     if d.main:
         (cfg.out_dir / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-        ensure_data(cfg, target, tokenizer, src.name)
+        if not cfg.speculators_data:
+            ensure_data(cfg, target, tokenizer, src.name)
     if d.world > 1:
         torch.distributed.barrier()
     t0 = time.time()
-    samples, parts = load_data(cfg)
+    external = External()
+    if cfg.speculators_data:
+        cfg, samples, parts, external = speculators_run(cfg, target)
+    else:
+        samples, parts = load_data(cfg)
     draft = train(target, samples, cfg, d, progress=lambda **kw: tqdm(desc="train", mininterval=5, **kw),
-                  parts=parts)
+                  parts=parts, external=external)
     if d.main:
         try:
-            out = save_draft(draft, cfg.out_dir / "draft", "specforge", target.config)
+            out = save_draft(draft, cfg.out_dir / "draft", export_format(draft.config), target.config)
         except UnsupportedError as e:              # a study variant no export layout writes
             print(f"trained in {time.time() - t0:.0f} s; checkpoint {cfg.out_dir / 'checkpoint.pt'} "
                   f"kept, no export: {e}")

@@ -131,12 +131,19 @@ class FeatureStore:
 
 
 # ---------------------------------------------------------------------------- building
+# (index of the first sample, the shard's samples) -> their features, in order
+FeatureFn = Callable[[int, Sequence[Sample]], list[Features]]
+
+
 def build_part(target, samples: Sequence[Sample], key: PartKey, root: Path, shard_size: int = 64,
-               batch_size: int = 8, progress: Optional[Callable] = None) -> StorePart:
+               batch_size: int = 8, progress: Optional[Callable] = None,
+               features: Optional[FeatureFn] = None, source: str = "this process") -> StorePart:
     """Write a part's shards (resumable: a shard is kept when its metadata and samples match),
-    then its manifest. Returns the opened part."""
+    then its manifest. Returns the opened part. `features`: where the rows come from (default:
+    the target run here, `batch_size` conversations at a time); `source` says so in the manifest."""
     root.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, key.dtype)
+    features = features or (lambda start, part: own_features(target, part, key, batch_size, dtype))
     num_shards = (len(samples) + shard_size - 1) // shard_size
     bar = progress(total=len(samples)) if progress else None
     sizes = {"aux": 0, "hidden": 0, "next_ids": 0}
@@ -144,7 +151,7 @@ def build_part(target, samples: Sequence[Sample], key: PartKey, root: Path, shar
         part = samples[k * shard_size:(k + 1) * shard_size]
         path = root / f"shard-{k:05d}.safetensors"
         if not _shard_ok(path, part, key):
-            _write_shard(target, part, key, path, batch_size, dtype)
+            _write_shard(features(k * shard_size, part), part, key, path, dtype)
         with safe_open(str(path), framework="pt") as f:
             for name in sizes:
                 sizes[name] += f.get_slice(name).get_shape()[0] * _row_bytes(f, name)
@@ -153,7 +160,7 @@ def build_part(target, samples: Sequence[Sample], key: PartKey, root: Path, shar
     if bar:
         bar.close()
     tokens = sum(len(s.ids) for s in samples)
-    manifest = {**key.meta(), "aux_layer_ids": list(key.aux_layer_ids), "teacher": TEACHER,
+    manifest = {**key.meta(), "aux_layer_ids": list(key.aux_layer_ids), "teacher": TEACHER, "source": source,
                 "num_samples": len(samples), "tokens": tokens, "shard_size": shard_size,
                 "samples_sha256": samples_hash(samples), "bytes": sizes,
                 "bytes_per_token": round(sum(sizes.values()) / max(1, tokens), 1)}
@@ -190,14 +197,23 @@ def _shard_ok(path: Path, part: Sequence[Sample], key: PartKey) -> bool:
     return meta.get("samples_sha256") == samples_hash(part)
 
 
-def _write_shard(target, part: Sequence[Sample], key: PartKey, path: Path, batch_size: int, dtype) -> None:
-    order = sorted(range(len(part)), key=lambda i: len(part[i].ids))   # less padding per batch
+def own_features(target, part: Sequence[Sample], key: PartKey, batch_size: int, dtype) -> list[Features]:
+    """The target run in this process, shortest conversations batched together (less padding)."""
+    order = sorted(range(len(part)), key=lambda i: len(part[i].ids))
     done: dict[int, Features] = {}
     for i in range(0, len(order), batch_size):
         idx = order[i:i + batch_size]
         for j, f in zip(idx, target_features(target, [part[j] for j in idx], key.aux_layer_ids, dtype)):
             done[j] = f
-    feats = [done[j] for j in range(len(part))]
+    return [done[j] for j in range(len(part))]
+
+
+def _write_shard(feats: Sequence[Features], part: Sequence[Sample], key: PartKey, path: Path, dtype) -> None:
+    for s, f in zip(part, feats):
+        if len(f.next_ids) != len(s.ids):
+            raise ContractError("feature rows", f"{len(f.next_ids)} rows", f"{len(s.ids)} tokens",
+                                "each conversation needs one feature row per token")
+    feats = [Features(f.aux.to(dtype), f.hidden.to(dtype), f.next_ids) for f in feats]
     lengths = torch.tensor([len(f.next_ids) for f in feats])
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
     tensors = {"aux": torch.cat([f.aux for f in feats]).contiguous(),
