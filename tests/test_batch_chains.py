@@ -45,6 +45,7 @@ PARAMS = (SamplingParams(max_new_tokens=40, ignore_eos=True),
           SamplingParams(temperature=0.5, seed=11, max_new_tokens=28, ignore_eos=True))
 
 
+@pytest.mark.lossless
 @pytest.mark.parametrize("max_batch", [1, 3, 5])
 def test_each_request_speculating_in_a_batch_equals_its_plain_output_alone(target, alone, one_thread,
                                                                            max_batch):
@@ -80,6 +81,7 @@ class OracleChain(ChainState):
         return out
 
 
+@pytest.mark.lossless
 @pytest.mark.parametrize("max_batch", [1, 4])
 def test_accepted_and_rejected_chains_leave_sampled_outputs_as_plain(target, alone, one_thread, max_batch):
     """Chains that are mostly right, wrong at known places, for seeded sampling and greedy
@@ -216,6 +218,7 @@ DRAFT_PARAMS = (SamplingParams(max_new_tokens=30, ignore_eos=True),
 CHEAP_DRAFT = lambda rows: 0.1 + 0.01 * rows       # noqa: E731
 
 
+@pytest.mark.lossless
 @pytest.mark.parametrize("oracle_for", [0, 1])
 def test_draft_chains_inside_the_batch_leave_outputs_as_plain(one_thread, oracle_for):
     """An EAGLE-3 draft (an oracle of one request's plain output, one token in three ranked wrong)
