@@ -272,3 +272,21 @@ def test_a_draft_chain_reads_the_features_of_every_fed_token(one_thread):
                  capture_ids=draft.config.aux_layer_ids)
     assert torch.equal(out.aux[0], feats)            # the batch's features are the solo forward's
     assert other.chain.draft.waiting_rows == len(other.prompt_ids) + 9 - 1
+
+
+def test_a_long_catch_up_is_spread_over_the_tokens_a_request_has_left(target):
+    """A draft waiting on a whole prompt would never look worth one chain; the rows past a step's
+    worth are charged in proportion to the tokens the chain brings out of those left."""
+    from eagle3.generate.chains import DRAFT_MAX_TOKENS, DraftChain
+    from spec_helpers import tiny_draft
+    draft = tiny_draft(tiny_target(seed=3))
+    costs = lambda rows: 1.0 + 0.1 * rows           # noqa: E731
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX,
+                           chain_costs=CHEAP_ROWS, draft=draft, draft_costs=costs)
+    d = DraftChain(draft, CTX, 0)
+    d.wait(torch.zeros(200, 3 * 32))
+    step = DRAFT_MAX_TOKENS + 1
+    share = (1 + expected_tokens(d.rate, 2)) / 100
+    assert sched._draft_ms(d, 100, 0.3)(2) == pytest.approx(costs(step) + (costs(200) - costs(step)) * share + 0.3)
+    d.waiting = [torch.zeros(3, 3 * 32)]             # a step's worth: charged in full
+    assert sched._draft_ms(d, 100, 0.3)(1) == pytest.approx(costs(3))

@@ -48,7 +48,8 @@ from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.step import Step
-from .chains import DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, Option, check_chain
+from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, Option, check_chain,
+                     expected_tokens)
 from .engine import Run
 from .output import Output
 from .scheduler import Emitted, Request, Scheduler
@@ -216,6 +217,16 @@ class BatchScheduler(Scheduler):
             req.chain.index.extend(chunk.token_ids)
         return Emitted(req, chunk)
 
+    def _draft_ms(self, d: DraftChain, room: int, one: float) -> Callable[[int], float]:
+        """A draft chain's ms outside the forward for k tokens: a draft forward per token past the
+        first, and its catch-up over the waiting rows. A step's worth of rows is charged in full;
+        past that (a prompt, a stretch of suffix chains) the catch-up is paid once for the rest of
+        the request, so it is spread over the tokens it has left (each chain charged its share)."""
+        step = min(d.waiting_rows, DRAFT_MAX_TOKENS + 1)
+        now = self.draft_costs(step) if step else 0.0
+        later = self.draft_costs(d.waiting_rows) - now if d.waiting_rows > step else 0.0
+        return lambda k: now + later * min(1.0, (1 + expected_tokens(d.rate, k)) / max(room, 1)) + (k - 1) * one
+
     def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], first_row: int, n: int) -> None:
         """The target's features of the request's n tokens fed this step, for its draft chain."""
         if aux is not None and req.chain is not None and req.chain.draft is not None:
@@ -237,9 +248,8 @@ class BatchScheduler(Scheduler):
                 options.append(Option(r.id, "suffix", len(guess), r.chain.rate, NO_EXTRA))
             d = r.chain.draft
             if d is not None and (d.waiting or d.head is not None):
-                catch_up = self.draft_costs(d.waiting_rows) if d.waiting else 0.0
                 options.append(Option(r.id, "draft", d.cap(room, DRAFT_MAX_TOKENS), d.rate,
-                                      lambda k, c=catch_up: c + (k - 1) * one))
+                                      self._draft_ms(d, room, one)))
         plan = self.chains.plan(options, rows, len(decoders)) if options else {}
         by_id = {r.id: r for r in decoders}
         chains = {}
