@@ -290,3 +290,36 @@ def test_a_long_catch_up_is_spread_over_the_tokens_a_request_has_left(target):
     assert sched._draft_ms(d, 100, 0.3)(2) == pytest.approx(costs(step) + (costs(200) - costs(step)) * share + 0.3)
     d.waiting = [torch.zeros(3, 3 * 32)]             # a step's worth: charged in full
     assert sched._draft_ms(d, 100, 0.3)(1) == pytest.approx(costs(3))
+
+
+def test_a_request_back_from_the_solo_engine_keeps_its_draft_context(one_thread):
+    """Three speculative steps alone, then company: the request's draft chain starts from the solo
+    draft's cache and waiting rows (token 0 on, not from the join), its draft chains keep being
+    accepted in the batch, and every output is plain decoding's."""
+    from eagle3.speculative.tree import SpecParams
+    from spec_helpers import oracle_draft
+    model = tiny_target(seed=4)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
+             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    draft = oracle_draft(model, DRAFT_PROMPTS[0] + truth[0])
+    solo = Engine(target, StubTokenizer(), draft=draft, spec=SpecParams(2, 3, 6, 0.0), max_model_len=CTX)
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
+                           solo=solo, chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT)
+    first = sched.add(DRAFT_PROMPTS[0], DRAFT_PARAMS[0])
+    chunks: dict = {}
+    for _ in range(4):                                  # the prefill, then 3 solo steps
+        for e in sched.step():
+            chunks.setdefault(e.request.id, []).append(e.chunk)
+    assert first.solo is not None and first.chain is None
+    solo_rows = solo.draft_cache.length + sum(f.shape[0] for _, f in first.solo.decoder.pending)
+    others = [sched.add(p, q) for p, q in zip(DRAFT_PROMPTS[1:], DRAFT_PARAMS[1:])]
+    for rid, cs in drain(sched).items():
+        chunks.setdefault(rid, []).extend(cs)
+    d = first.chain.draft
+    assert d.offset == 0 and solo_rows == len(first.prompt_ids) + len(chunks[first.id][0].token_ids) + \
+        sum(len(c.token_ids) for c in chunks[first.id][1:4]) - 1
+    for req, want in zip([first] + others, truth):
+        assert [t for c in chunks[req.id] for t in c.token_ids] == want
+    assert sum(s.accepted for s in first.output.steps[4:] if s.arm == "draft") >= 5

@@ -289,8 +289,14 @@ class BatchScheduler(Scheduler):
         if req.solo is None:
             return
         if self._can_copy(req):
-            self.cache.load(req.slot, req.solo.decoder.cache, req.context_len)
+            decoder = req.solo.decoder
+            self.cache.load(req.slot, decoder.cache, req.context_len)
             req.fed = req.context_len
+            if self.draft is not None and decoder.draft is self.draft and req.chain is None:
+                req.chain = ChainState()          # its draft keeps the context it had alone
+                req.chain.index.extend(req.prompt_ids + req.out_ids)
+                req.chain.draft = DraftChain.resume(self.draft, self.max_model_len + DRAFT_MAX_TOKENS,
+                                                    decoder.draft_cache, decoder.pending, decoder.head)
         req.solo.close()
         req.solo = None
 

@@ -105,6 +105,21 @@ class DraftChain(Rolling):
         self.waiting: list[torch.Tensor] = []        # [m, F] features of the next tokens, in order
         self.head: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # last row: logits, hidden
 
+    @classmethod
+    def resume(cls, draft, max_len: int, cache, pending: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               head: Optional[tuple[torch.Tensor, torch.Tensor]]) -> "DraftChain":
+        """The draft state a request leaves the solo engine with (SpecDecoder's draft cache, its
+        waiting (next ids, features) rows and head), as a chain from token 0: the draft keeps
+        its context when the request joins a batch."""
+        chain = cls(draft, max_len, 0)
+        n = cache.length
+        chain.cache.k[:, :, :, :n] = cache.k[:, :, :, :n]
+        chain.cache.v[:, :, :, :n] = cache.v[:, :, :, :n]
+        chain.cache.length = n
+        chain.waiting = [f.clone() for _, f in pending]
+        chain.head = None if pending or head is None else (head[0], head[1])
+        return chain
+
     @property
     def waiting_rows(self) -> int:
         return sum(f.shape[0] for f in self.waiting)
