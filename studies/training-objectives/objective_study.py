@@ -46,6 +46,11 @@ ROWS: dict[str, tuple[str, dict]] = {
     "b_lk": ("LK: exp(-3 mean alpha) KL + (1 - that) TV", {"objective": "lk"}),
     "c_hass": ("HASS: + top-10 distillation (w 1)", {"objective": "hass"}),
     "d_griffin": ("GRIFFIN: drop rows after a top-4 miss", {"objective": "griffin"}),
+    # a second seed of every objective (paired with a_kl_seed7) and a third of the baseline
+    "c_hass_seed7": ("HASS, seed 7", {"objective": "hass", "seed": 7}),
+    "b_lk_seed7": ("LK, seed 7", {"objective": "lk", "seed": 7}),
+    "d_griffin_seed7": ("GRIFFIN, seed 7", {"objective": "griffin", "seed": 7}),
+    "a_kl_seed8": ("KL, seed 8 (seed noise)", {"seed": 8}),
 }
 BASELINE, NOISE = "a_kl", "a_kl_seed7"
 
@@ -125,6 +130,7 @@ def summarize(out: Path, name: str) -> dict | None:
     by = {x["temperature"]: x for x in json.loads(tau.read_text())["results"]} if tau.is_file() else {}
     return {"row": name, "what": ROWS[name][0], "done": done.is_file(),
             "seed": json.loads((out / name / "study_config.json").read_text())["seed"],
+            "objective": json.loads((out / name / "study_config.json").read_text())["objective"],
             "steps": steps[-1]["step"] if steps else 0, "tokens": sum(r["tokens"] for r in steps),
             "step_s": sum(r["step_s"] for r in steps),
             "cpu_s": json.loads(done.read_text()).get("cpu_s") if done.is_file() else None,
@@ -156,6 +162,37 @@ def splice(doc: str, table: str) -> str:
     return block + doc
 
 
+def objective_means(rows: list[dict]) -> list[str]:
+    """Per objective, the mean over the seeds it ran with; kl's spread over its seeds is the noise."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r["done"] and r["tau0"] is not None:
+            groups.setdefault(r["objective"], []).append(r)
+    kl = groups.get("kl", [])
+    if len(kl) < 2 or not any(len(g) >= 2 for o, g in groups.items() if o != "kl"):
+        return []
+    mean = lambda g, k, seeds: sum(r[k] for r in g if r["seed"] in seeds) / max(1, sum(r["seed"] in seeds for r in g))
+    spread = {k: max(r[k] for r in kl) - min(r[k] for r in kl) for k in ("est_tau", "tau0", "tau1")}
+    lines = ["", "Mean over seeds 6 and 7 (every objective ran both; the same seed means the same data order "
+             f"and initial weights), against kl's; kl's spread (max - min) over its {len(kl)} seeds "
+             f"({', '.join(str(r['seed']) for r in kl)}) is the noise: est. tau {spread['est_tau']:.3f}, "
+             f"MT-bench T=0 {spread['tau0']:.3f}, T=1 {spread['tau1']:.3f}.", "",
+             "| objective | est. tau | vs kl | MT-bench T=0 | vs kl | T=1 | vs kl |", "|---|---|---|---|---|---|---|"]
+    base, wins = {k: mean(kl, k, (6, 7)) for k in ("est_tau", "tau0", "tau1")}, []
+    for obj, g in groups.items():
+        if {6, 7} <= {r["seed"] for r in g}:
+            m = {k: mean(g, k, (6, 7)) for k in base}
+            d = {k: "" if obj == "kl" else f"{m[k] - base[k]:+.3f}" for k in base}
+            lines.append(f"| {obj} | {m['est_tau']:.3f} | {d['est_tau']} | {m['tau0']:.3f} | {d['tau0']} | "
+                         f"{m['tau1']:.3f} | {d['tau1']} |")
+            if obj != "kl" and all(m[k] - base[k] > spread[k] for k in ("tau0", "tau1")):
+                wins.append(obj)
+    lines.append("")
+    lines.append("Objectives whose seed mean beats kl's by more than kl's seed spread on MT-bench tau at both "
+                 f"temperatures: {', '.join(wins) if wins else 'none'}.")
+    return lines
+
+
 def report(out: Path, budget: int, path: Path | None) -> str:
     rows = [s for s in (summarize(out, n) for n in ROWS) if s]
     by = {r["row"]: r for r in rows}
@@ -164,22 +201,23 @@ def report(out: Path, budget: int, path: Path | None) -> str:
     lines = [f"# Training-objective study: SmolLM2-135M, {budget:,} training tokens per row", "",
              "Today's recipe (TTT 3, equal step weights, peak lr 1e-3, batch 4, Vd 12288, bf16 autocast, "
              "AdamW, fc preconditioned) from scratch, one row per objective (eagle3/train/objectives.py). "
-             "Same data order (seed 6; the noise row: seed 7, which also changes the initial weights), "
+             "Same data order and initial weights (seed 6; the seed rows: 7 and 8, which change both), "
              "704 regenerated training conversations, the same 53 held-out ones (every 33rd of runs/data), "
              "features from one offline store, 2 threads. Held-out accuracy per TTT step is teacher-forced "
              "argmax agreement (the same for every objective); est. tau = 1 + sum of chained step "
              "accuracies. MT-bench tau: scripts/measure_tau.py on the row's exported draft, "
              f"{'%d prompts x %d tokens' % shape if shape else '-'}, fixed tree {TREE} (top-k, depth, "
              "draft tokens, min prob), EAGLE draft alone (no suffix nodes, no adaptive step). "
-             "CPU s: user + system seconds of the training process (2 threads, shared cores).", "",
-             "| row | objective | seed | tokens | CPU s | step-0 acc | step-1 | step-2 | est. tau | "
+             "CPU s: user + system seconds of the training process (2 threads, shared cores: both it and "
+             "step s, the summed wall time of the training steps, grow when other work takes the cores).", "",
+             "| row | objective | seed | tokens | CPU s | step s | step-0 acc | step-1 | step-2 | est. tau | "
              "MT-bench tau T=0 | T=1 | vs a_kl T=0 / T=1 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         acc = r["acc"] + [float("nan")] * 3
-        vs = f"{delta(r, base, 'tau0')} / {delta(r, base, 'tau1')}" if r is not base and base else ""
+        vs = f"{delta(r, base, 'tau0')} / {delta(r, base, 'tau1')}" if r is not base and base and r["tau0"] else ""
         lines.append(f"| {r['row']}{'' if r['done'] else ' (running)'} | {r['what']} | {r['seed']} | "
-                     f"{r['tokens']:,} | {fmt(r['cpu_s'], '.0f')} | {acc[0]:.4f} | {acc[1]:.4f} | "
+                     f"{r['tokens']:,} | {fmt(r['cpu_s'], '.0f')} | {r['step_s']:.0f} | {acc[0]:.4f} | {acc[1]:.4f} | "
                      f"{acc[2]:.4f} | {r['est_tau']:.3f} | {fmt(r['tau0'], '.3f')} | {fmt(r['tau1'], '.3f')} | "
                      f"{vs} |")
     if base and noise:
@@ -192,6 +230,7 @@ def report(out: Path, budget: int, path: Path | None) -> str:
                  and r["tau0"] - base["tau0"] > n0 and r["tau1"] - base["tau1"] > n1]
         lines.append("Rows above a_kl by more than the seed noise at both temperatures: "
                      f"{', '.join(beats) if beats else 'none'}.")
+    lines += objective_means(rows)
     lines += ["", "Curves (step, held-out step-0 acc, est. tau):", ""]
     lines += [f"- {r['row']}: " + ", ".join(f"({s}, {a:.3f}, {t:.3f})" for s, a, t in r["curve"]) for r in rows]
     text = "\n".join(lines) + "\n"
