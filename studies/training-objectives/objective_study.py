@@ -51,6 +51,7 @@ ROWS: dict[str, tuple[str, dict]] = {
     "b_lk_seed7": ("LK, seed 7", {"objective": "lk", "seed": 7}),
     "d_griffin_seed7": ("GRIFFIN, seed 7", {"objective": "griffin", "seed": 7}),
     "a_kl_seed8": ("KL, seed 8 (seed noise)", {"seed": 8}),
+    "d_griffin_seed8": ("GRIFFIN, seed 8", {"objective": "griffin", "seed": 8}),
 }
 BASELINE, NOISE = "a_kl", "a_kl_seed7"
 
@@ -101,17 +102,17 @@ def run_row(name: str, out: Path, budget: int) -> int:
     return rc
 
 
-def tau_row(name: str, out: Path, prompts: int, tokens: int, threads: int) -> int:
+def tau_row(name: str, out: Path, prompts: int, tokens: int, threads: int, file: str = "tau.json") -> int:
     row = out / name
-    if (row / "tau.json").is_file() or not (row / "draft").is_dir():
+    if (row / file).is_file() or not (row / "draft").is_dir():
         return 0
     cmd = [sys.executable, str(REPO / "scripts" / "measure_tau.py"), "--draft", str(row / "draft"), "--n",
            str(prompts), "--max-new-tokens", str(tokens), "--temperatures", "0,1", "--tree", TREE,
-           "--threads", str(threads), "--out", str(row / "tau.json.part")]
+           "--threads", str(threads), "--out", str(row / f"{file}.part")]
     with open(row / "tau.out", "a") as log:
         rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env())
     if rc == 0:
-        (row / "tau.json.part").rename(row / "tau.json")
+        (row / f"{file}.part").rename(row / file)
     return rc
 
 
@@ -162,34 +163,53 @@ def splice(doc: str, table: str) -> str:
     return block + doc
 
 
+def full_tau(out: Path, rows: list[dict]) -> list[str]:
+    found = [(r["row"], json.loads((out / r["row"] / "tau80.json").read_text())) for r in rows
+             if (out / r["row"] / "tau80.json").is_file()]
+    if not found:
+        return []
+    lines = ["", "All 80 MT-bench first turns x 256 tokens (`--full-tau`), same tree:", "",
+             "| row | T=0 | T=1 | accepted per position T=0 |", "|---|---|---|---|"]
+    for name, t in found:
+        by = {x["temperature"]: x for x in t["results"]}
+        lines.append(f"| {name} | {by[0.0]['tau']:.3f} | {by[1.0]['tau']:.3f} | "
+                     f"{' / '.join(str(a) for a in by[0.0]['accept_per_position'][:3])} |")
+    return lines
+
+
 def objective_means(rows: list[dict]) -> list[str]:
-    """Per objective, the mean over the seeds it ran with; kl's spread over its seeds is the noise."""
-    groups: dict[str, list[dict]] = {}
+    """Per objective, the mean over its seeds against kl's mean over the same seeds (paired: a seed is
+    one data order and one set of initial weights); kl's spread over all its seeds is the noise."""
+    groups: dict[str, dict[int, dict]] = {}
     for r in rows:
         if r["done"] and r["tau0"] is not None:
-            groups.setdefault(r["objective"], []).append(r)
-    kl = groups.get("kl", [])
-    if len(kl) < 2 or not any(len(g) >= 2 for o, g in groups.items() if o != "kl"):
+            groups.setdefault(r["objective"], {})[r["seed"]] = r
+    kl = groups.get("kl", {})
+    if len(kl) < 2:
         return []
-    mean = lambda g, k, seeds: sum(r[k] for r in g if r["seed"] in seeds) / max(1, sum(r["seed"] in seeds for r in g))
-    spread = {k: max(r[k] for r in kl) - min(r[k] for r in kl) for k in ("est_tau", "tau0", "tau1")}
-    lines = ["", "Mean over seeds 6 and 7 (every objective ran both; the same seed means the same data order "
-             f"and initial weights), against kl's; kl's spread (max - min) over its {len(kl)} seeds "
-             f"({', '.join(str(r['seed']) for r in kl)}) is the noise: est. tau {spread['est_tau']:.3f}, "
-             f"MT-bench T=0 {spread['tau0']:.3f}, T=1 {spread['tau1']:.3f}.", "",
-             "| objective | est. tau | vs kl | MT-bench T=0 | vs kl | T=1 | vs kl |", "|---|---|---|---|---|---|---|"]
-    base, wins = {k: mean(kl, k, (6, 7)) for k in ("est_tau", "tau0", "tau1")}, []
-    for obj, g in groups.items():
-        if {6, 7} <= {r["seed"] for r in g}:
-            m = {k: mean(g, k, (6, 7)) for k in base}
-            d = {k: "" if obj == "kl" else f"{m[k] - base[k]:+.3f}" for k in base}
-            lines.append(f"| {obj} | {m['est_tau']:.3f} | {d['est_tau']} | {m['tau0']:.3f} | {d['tau0']} | "
-                         f"{m['tau1']:.3f} | {d['tau1']} |")
-            if obj != "kl" and all(m[k] - base[k] > spread[k] for k in ("tau0", "tau1")):
-                wins.append(obj)
-    lines.append("")
-    lines.append("Objectives whose seed mean beats kl's by more than kl's seed spread on MT-bench tau at both "
-                 f"temperatures: {', '.join(wins) if wins else 'none'}.")
+    keys = ("est_tau", "tau0", "tau1")
+    spread = {k: max(r[k] for r in kl.values()) - min(r[k] for r in kl.values()) for k in keys}
+    lines = ["", f"Per objective, the mean over its seeds against kl's mean over the same seeds; kl's spread "
+             f"(max - min) over its {len(kl)} seeds ({', '.join(map(str, sorted(kl)))}) is the noise: est. tau "
+             f"{spread['est_tau']:.3f}, MT-bench T=0 {spread['tau0']:.3f}, T=1 {spread['tau1']:.3f}.", "",
+             "| objective | seeds | est. tau | vs kl | MT-bench T=0 | vs kl | T=1 | vs kl | paired T=0 / T=1 per seed |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    wins = []
+    for obj, by_seed in groups.items():
+        seeds = sorted(set(by_seed) & set(kl))
+        if len(seeds) < 2:
+            continue
+        m = {k: sum(by_seed[s][k] for s in seeds) / len(seeds) for k in keys}
+        d = {k: m[k] - sum(kl[s][k] for s in seeds) / len(seeds) for k in keys}
+        show = {k: "" if obj == "kl" else f"{d[k]:+.3f}" for k in keys}
+        paired = "" if obj == "kl" else ", ".join(
+            f"{by_seed[s]['tau0'] - kl[s]['tau0']:+.3f} / {by_seed[s]['tau1'] - kl[s]['tau1']:+.3f}" for s in seeds)
+        lines.append(f"| {obj} | {', '.join(map(str, seeds))} | {m['est_tau']:.3f} | {show['est_tau']} | "
+                     f"{m['tau0']:.3f} | {show['tau0']} | {m['tau1']:.3f} | {show['tau1']} | {paired} |")
+        if obj != "kl" and d["tau0"] > spread["tau0"] and d["tau1"] > spread["tau1"]:
+            wins.append(obj)
+    lines += ["", "Objectives whose mean beats kl's on the same seeds by more than kl's seed spread on MT-bench "
+              f"tau at both temperatures: {', '.join(wins) if wins else 'none'}."]
     return lines
 
 
@@ -211,11 +231,13 @@ def report(out: Path, budget: int, path: Path | None) -> str:
              "CPU s: user + system seconds of the training process (2 threads, shared cores: both it and "
              "step s, the summed wall time of the training steps, grow when other work takes the cores).", "",
              "| row | objective | seed | tokens | CPU s | step s | step-0 acc | step-1 | step-2 | est. tau | "
-             "MT-bench tau T=0 | T=1 | vs a_kl T=0 / T=1 |",
+             "MT-bench tau T=0 | T=1 | vs kl, same seed, T=0 / T=1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    kl_of = {r["seed"]: r for r in rows if r["objective"] == "kl"}
     for r in rows:
         acc = r["acc"] + [float("nan")] * 3
-        vs = f"{delta(r, base, 'tau0')} / {delta(r, base, 'tau1')}" if r is not base and base and r["tau0"] else ""
+        b = kl_of.get(r["seed"])
+        vs = f"{delta(r, b, 'tau0')} / {delta(r, b, 'tau1')}" if b and r is not b and r["tau0"] else ""
         lines.append(f"| {r['row']}{'' if r['done'] else ' (running)'} | {r['what']} | {r['seed']} | "
                      f"{r['tokens']:,} | {fmt(r['cpu_s'], '.0f')} | {r['step_s']:.0f} | {acc[0]:.4f} | {acc[1]:.4f} | "
                      f"{acc[2]:.4f} | {r['est_tau']:.3f} | {fmt(r['tau0'], '.3f')} | {fmt(r['tau1'], '.3f')} | "
@@ -226,11 +248,12 @@ def report(out: Path, budget: int, path: Path | None) -> str:
         lines += ["", f"Seed noise (|a_kl - a_kl_seed7|): est. tau {abs(noise['est_tau'] - base['est_tau']):.3f}, "
                   f"step-0 acc {abs(noise['acc'][0] - base['acc'][0]):.4f}, MT-bench tau T=0 {fmt(n0, '.3f')}, "
                   f"T=1 {fmt(n1, '.3f')}."]
-        beats = [r["row"] for r in rows if r["row"] not in (BASELINE, NOISE) and None not in (n0, n1, r["tau0"], r["tau1"])
-                 and r["tau0"] - base["tau0"] > n0 and r["tau1"] - base["tau1"] > n1]
-        lines.append("Rows above a_kl by more than the seed noise at both temperatures: "
+        beats = [r["row"] for r in rows if r["objective"] != "kl" and r["seed"] in kl_of
+                 and None not in (n0, n1, r["tau0"], r["tau1"], kl_of[r["seed"]]["tau0"])
+                 and r["tau0"] - kl_of[r["seed"]]["tau0"] > n0 and r["tau1"] - kl_of[r["seed"]]["tau1"] > n1]
+        lines.append("Rows above kl at the same seed by more than that noise at both temperatures: "
                      f"{', '.join(beats) if beats else 'none'}.")
-    lines += objective_means(rows)
+    lines += objective_means(rows) + full_tau(out, rows)
     lines += ["", "Curves (step, held-out step-0 acc, est. tau):", ""]
     lines += [f"- {r['row']}: " + ", ".join(f"({s}, {a:.3f}, {t:.3f})" for s, a, t in r["curve"]) for r in rows]
     text = "\n".join(lines) + "\n"
@@ -238,8 +261,9 @@ def report(out: Path, budget: int, path: Path | None) -> str:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(splice(path.read_text() if path.is_file() else "", text))
         for r in rows:                       # the small tau files travel with the report
-            if (out / r["row"] / "tau.json").is_file():
-                shutil.copyfile(out / r["row"] / "tau.json", path.parent / f"tau_{r['row']}.json")
+            for file in ("tau.json", "tau80.json"):
+                if (out / r["row"] / file).is_file():
+                    shutil.copyfile(out / r["row"] / file, path.parent / f"{Path(file).stem}_{r['row']}.json")
     return text
 
 
@@ -252,6 +276,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--rows", default=",".join(ROWS), help="comma list of rows to run, in order")
     ap.add_argument("--tau-prompts", type=int, default=40, help="MT-bench first turns (of 80)")
     ap.add_argument("--tau-tokens", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--full-tau", default=None, metavar="ROWS",
+                    help="only MT-bench tau on all 80 prompts x 256 tokens for these finished rows (tau80.json)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--report", type=Path, default=None, help="only write the table from the logs")
     args = ap.parse_args(argv)
@@ -261,6 +287,12 @@ def main(argv: list[str]) -> int:
         return 0
     if args.prepare:
         prepare(out, args.conversations.resolve(), args.threads)
+        return 0
+    if args.full_tau:
+        for name in args.full_tau.split(","):
+            t0 = time.time()
+            rc = tau_row(name, out, 80, 256, args.threads, "tau80.json")
+            print(f"{time.strftime('%H:%M:%S')} {name}: tau 80 x 256 rc {rc}, {time.time() - t0:.0f} s", flush=True)
         return 0
     for name in args.rows.split(","):
         if name not in ROWS:
