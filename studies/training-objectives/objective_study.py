@@ -52,6 +52,8 @@ ROWS: dict[str, tuple[str, dict]] = {
     "d_griffin_seed7": ("GRIFFIN, seed 7", {"objective": "griffin", "seed": 7}),
     "a_kl_seed8": ("KL, seed 8 (seed noise)", {"seed": 8}),
     "d_griffin_seed8": ("GRIFFIN, seed 8", {"objective": "griffin", "seed": 8}),
+    "c_hass_seed8": ("HASS, seed 8", {"objective": "hass", "seed": 8}),
+    "b_lk_seed8": ("LK, seed 8", {"objective": "lk", "seed": 8}),
 }
 BASELINE, NOISE = "a_kl", "a_kl_seed7"
 
