@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from ..errors import InputError
+from .objectives import OBJECTIVES, ObjectiveConfig
 
 
 CHOICES = {"features": ("store", "online"), "optimizer": ("adamw", "muon"),
-           "schedule": ("cosine", "linear", "constant")}
+           "schedule": ("cosine", "linear", "constant"), "objective": OBJECTIVES}
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,12 @@ class TrainConfig:
     # (held-out and MT-bench tau), and far cheaper per token than TTT 7 (studies/training-recipes/recipe_study.md)
     ttt_steps: int = 3
     step_decay: float = 1.0
+    # the TTT loss per row (eagle3/train/objectives.py; the objective study: studies/training-objectives)
+    objective: str = "kl"                 # "kl" | "lk" | "hass" | "griffin"
+    lk_eta: float = 3.0                   # lk: KL/TV blend weight exp(-eta * mean acceptance), detached
+    hass_topk: int = 10                   # hass: the target's top-K tokens distilled again ...
+    hass_weight: float = 1.0              # ... with this weight
+    griffin_topk: int = 4                 # griffin: a step is aligned when its top-K holds the next token
     max_len: int = 512
     batch_size: int = 8                   # conversations per global batch (all ranks)
     epochs: int = 2
@@ -76,6 +83,11 @@ class TrainConfig:
         for name, allowed in CHOICES.items():
             if getattr(self, name) not in allowed:
                 raise InputError(f"{name}={getattr(self, name)!r}: choose one of {', '.join(allowed)}")
+        for name in ("hass_topk", "griffin_topk"):
+            if getattr(self, name) < 1:
+                raise InputError(f"{name}={getattr(self, name)}: a number of tokens, >= 1")
+        if self.lk_eta < 0 or self.hass_weight < 0:
+            raise InputError(f"lk_eta={self.lk_eta}, hass_weight={self.hass_weight}: both >= 0")
         if self.feature_noise < 0:
             raise InputError(f"feature_noise={self.feature_noise}: a standard deviation, >= 0")
         if self.draft_layers < 1:
@@ -98,6 +110,10 @@ class TrainConfig:
         if not self.data:
             return [self.out_dir / "data" / "conversations.jsonl"]
         return [Path(p) for p in ((self.data,) if isinstance(self.data, str) else self.data)]
+
+    @property
+    def objective_config(self) -> ObjectiveConfig:
+        return ObjectiveConfig(self.objective, self.lk_eta, self.hass_topk, self.hass_weight, self.griffin_topk)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

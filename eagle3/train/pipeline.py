@@ -226,7 +226,8 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
               external: External = External()) -> tuple[Run, TTTModel]:
     prep = prepare(samples, cfg, target.config.vocab_size, out if d.main else None, warm, parts, external.vocab)
     draft = make_draft(target, cfg, prep.vocab)
-    model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay, cfg.feature_noise))
+    model = TTTModel(draft, target.lm_head.weight, TTTConfig(cfg.ttt_steps, cfg.step_decay, cfg.feature_noise,
+                                                               cfg.objective_config))
     source = feature_source(target, prep, draft.config.aux_layer_ids, cfg, d, out or cfg.out_dir, parts,
                             external)
     # fc statistics on the first training batch (deterministic, so a resumed run gets the same)

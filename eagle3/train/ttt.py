@@ -12,6 +12,9 @@ Step k (0-based), row i:
     keys: step-0 keys at rows j <= i (valid only)  +  the key at row i of every step s = 1..k
 Loss_k = sum_i pmask_k[i] * CE(softmax_Vd(teacher[i+k]), draft[i]) / (B*T);  total = sum_k w^k loss_k
 pmask = t2d[teacher argmax over V] & loss_mask. Accuracy_k counts over loss_mask_k rows.
+The per-row CE is the default objective ("kl"); objectives.py holds the others (lk, hass, griffin).
+griffin also drops row i at step k once step j < k scored row i and its top-K missed ids[i+j+1],
+the token step j+1 is fed. Accuracy is the same for every objective.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from torch import nn
 from ..models.layers import apply_rotary
 from ..draft.model import Eagle3Draft
 from .features import Batch
+from .objectives import ObjectiveConfig, aligned, row_loss
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,7 @@ class TTTConfig:
     num_steps: int = 7
     step_decay: float = 0.8
     feature_noise: float = 0.0    # training only: aux + noise * RMS(aux row) * N(0, 1)
+    objective: ObjectiveConfig = ObjectiveConfig()
 
 
 class Aligned(NamedTuple):
@@ -159,13 +164,19 @@ class TTTModel(nn.Module):
         with torch.no_grad():
             teacher_logp = torch.log_softmax(a.teacher_hidden @ self.teacher_head.T, dim=-1)  # [B, T, Vd]
             pmask = self.draft.t2d[a.teacher_argmax] & a.loss_mask
+        obj = self.cfg.objective
+        alive = torch.ones_like(a.loss_mask)                            # [B, T] griffin: chain still aligned
         losses, correct, counted = [], [], []
         for k, h in enumerate(self.unroll(a)):
             b, i = shift_left(a.loss_mask, k).nonzero(as_tuple=True)   # rows whose token i+k is scored
             logits = self.draft.lm_head(self.draft.norm(h[b, i]))       # [N, Vd]
             logp = torch.log_softmax(logits.float(), -1)
-            ce = -torch.linalg.vecdot(teacher_logp[b, i + k].exp(), logp)
-            losses.append((ce * pmask[b, i + k]).sum() / denom)
+            weight = pmask[b, i + k] & alive[b, i]
+            loss = row_loss(obj, teacher_logp[b, i + k], logp, weight.float())
+            losses.append((loss * weight).sum() / denom)
+            if obj.name == "griffin" and k + 1 < self.cfg.num_steps:
+                fed = shift_left(a.ids, k + 1)[b, i]                    # the token step k+1 embeds
+                alive[b, i] &= aligned(logp, self.draft.to_target_ids, fed, obj.griffin_topk)
             with torch.no_grad():
                 pred = self.draft.to_target_ids(logp.argmax(-1))       # fp32: argmax on bf16 is slow
                 correct.append((pred == a.teacher_argmax[b, i + k]).sum())
