@@ -19,8 +19,9 @@ forward per token). Which chains run (`ChainPlanner`): the machine's cost table 
 of a target forward by rows, of a draft forward by rows) against each source's rolling acceptance.
 A step decoding B requests (a token each, in cost(B) ms of their rows alone) over N rows takes a
 chain of k rows when (B + E(k)) / (cost(B) + cost(N + k) - cost(N) + its draft ms) beats
-B / cost(B), with E(k) = a + a^2 + ... + a^k for the source's per-token acceptance a; the best k of each option is taken, options with the highest a
-first, one per request. No chain runs when none pays, so the batch decodes plainly then.
+B / cost(B) by PAY_MARGIN, with E(k) = a + a^2 + ... + a^k for the source's per-token acceptance
+a; the best k of each option is taken, options with the highest a first, one per request. No
+chain runs when none pays, so the batch decodes plainly then.
 """
 from __future__ import annotations
 
@@ -38,8 +39,14 @@ CHAIN_MAX_TOKENS = 32      # the longest suffix chain a request gets
 DRAFT_MAX_TOKENS = 6       # the longest draft chain (a draft forward per token after the first)
 CHAIN_GROWTH = 2           # a chain is at most CHAIN_GROWTH x (the last one's accepted + 1) long
 CHAIN_FIRST = 4            # the longest first chain of a source
-PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0     # the acceptance a source starts from: 0.5
+PRIOR_ACCEPTED, PRIOR_TRIED = 1.0, 2.0     # the acceptance a draft chain starts from: 0.5
+SUFFIX_PRIOR_ACCEPTED = 1.4                # a suffix guess's: 0.7 (a match of 4+ tokens is a copy
+                                           # more often than the draft's first guess is right)
 MEMORY = 0.9               # the weight of a source's earlier chains in its acceptance
+PAY_MARGIN = 0.05          # a chain must raise the step's tokens per ms by this share: the cost
+                           # table is a single sequence's at ~200 cached tokens, a batch's forward
+                           # costs somewhat more per row (MT-bench, 4 clients, default weights:
+                           # chains taken at no margin ran 0.93x plain decoding)
 
 
 @dataclass
@@ -79,6 +86,7 @@ class ChainState(Rolling):
     draft chain where the batch has a draft."""
     index: SuffixIndex = field(default_factory=lambda: SuffixIndex(CHAIN_MIN_MATCH, 16, 1))
     draft: Optional["DraftChain"] = None
+    accepted: float = SUFFIX_PRIOR_ACCEPTED
 
     def guess(self, most: int) -> list[int]:
         """The continuation its index proposes now, at most `most` tokens (and within `cap`);
@@ -192,7 +200,8 @@ class ChainPlanner:
         """options: ways requests could extend their rows (several per request allowed); rows: the
         step's rows without chains (prompt chunks included); decoders: the requests it decodes,
         a token each. -> {key: (option, k)}: at most one option per request, the highest
-        acceptance first, each with the k that most raises the decoded tokens per ms, where a
+        acceptance first, each with the k that most raises the decoded tokens per ms (by more
+        than PAY_MARGIN), where a
         chain is charged what its rows add to this forward (and its draft ms) and the tokens are
         weighed against a forward of the decoders' rows alone (prompt chunks are paid for anyway,
         and do not make a chain cheaper)."""
@@ -201,7 +210,7 @@ class ChainPlanner:
         for opt in sorted(options, key=lambda o: -o.rate):
             if opt.key in chosen:
                 continue
-            best, best_k = tokens / spent, 0
+            best, best_k = (1.0 + PAY_MARGIN) * tokens / spent, 0
             for k in range(1, min(opt.most, self.max_rows - rows) + 1):
                 more = self.cost_ms(rows + k) - self.cost_ms(rows) + opt.extra_ms(k)
                 gain = (tokens + expected_tokens(opt.rate, k)) / (spent + more)
