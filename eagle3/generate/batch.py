@@ -240,14 +240,15 @@ class BatchScheduler(Scheduler):
             return {}
         options, guesses = [], {}
         one = self.draft_costs(1) if self.draft is not None else 0.0
+        floor = self.chains.floor_rate(rows, len(decoders))
         for r in decoders:
             room = r.params.max_new_tokens - len(r.out_ids) - 1
-            guess = r.chain.guess(room)
+            guess = r.chain.guess(room) if r.chain.rate > floor else []
             if guess:
                 guesses[r.id] = guess
                 options.append(Option(r.id, "suffix", len(guess), r.chain.rate, NO_EXTRA))
             d = r.chain.draft
-            if d is not None and (d.waiting or d.head is not None):
+            if d is not None and d.rate > floor and (d.waiting or d.head is not None):
                 options.append(Option(r.id, "draft", d.cap(room, DRAFT_MAX_TOKENS), d.rate,
                                       self._draft_ms(d, room, one)))
         plan = self.chains.plan(options, rows, len(decoders)) if options else {}

@@ -170,8 +170,11 @@ class DraftChain(Rolling):
 
 
 def expected_tokens(rate: float, k: int) -> float:
-    """Expected accepted tokens of a chain of k guesses, each right with `rate` given the earlier."""
-    return sum(rate ** i for i in range(1, k + 1))
+    """Expected accepted tokens of a chain of k guesses, each right with `rate` given the earlier:
+    rate + rate^2 + ... + rate^k."""
+    if rate >= 1.0:
+        return float(k)
+    return rate * (1.0 - rate ** k) / (1.0 - rate)
 
 
 class Option(NamedTuple):
@@ -196,6 +199,16 @@ class ChainPlanner:
             raise InputError(f"a forward's cost must be positive, got {cost_ms(1)} ms for 1 row")
         self.cost_ms, self.max_rows = cost_ms, max_rows
 
+    def floor_rate(self, rows: int, decoders: int) -> float:
+        """The acceptance a source needs for any chain to pay this step: even a chain that never
+        ends (rate / (1 - rate) tokens) for one row's cost must beat the margin. A source at or
+        below it is not asked for a guess (asking costs time in every step of a large batch)."""
+        if rows >= self.max_rows:
+            return 1.0
+        base = self.cost_ms(max(decoders, 1))
+        need = (1.0 + PAY_MARGIN) * decoders * (base + self.cost_ms(rows + 1) - self.cost_ms(rows)) / base - decoders
+        return need / (1.0 + need) if need > 0 else 0.0
+
     def plan(self, options: Sequence[Option], rows: int, decoders: int) -> dict:
         """options: ways requests could extend their rows (several per request allowed); rows: the
         step's rows without chains (prompt chunks included); decoders: the requests it decodes,
@@ -207,19 +220,26 @@ class ChainPlanner:
         and do not make a chain cheaper)."""
         chosen = {}
         tokens, spent = float(decoders), self.cost_ms(max(decoders, 1))
+        longest = min(max((o.most for o in options), default=0), self.max_rows - rows)
+        cost = [self.cost_ms(rows + k) for k in range(longest + 1)]    # by rows added; once a step
+        added = 0
         for opt in sorted(options, key=lambda o: -o.rate):
             if opt.key in chosen:
                 continue
             best, best_k = (1.0 + PAY_MARGIN) * tokens / spent, 0
-            for k in range(1, min(opt.most, self.max_rows - rows) + 1):
-                more = self.cost_ms(rows + k) - self.cost_ms(rows) + opt.extra_ms(k)
+            # no chain of this rate brings more than rate / (1 - rate) tokens: skip what cannot pay
+            if opt.rate < 1.0 and (tokens + opt.rate / (1.0 - opt.rate)) / (
+                    spent + cost[min(added + 1, longest)] - cost[added]) <= best:
+                continue
+            for k in range(1, min(opt.most, longest - added) + 1):
+                more = cost[added + k] - cost[added] + opt.extra_ms(k)
                 gain = (tokens + expected_tokens(opt.rate, k)) / (spent + more)
                 if gain > best:
                     best, best_k = gain, k
             if best_k:
                 chosen[opt.key] = (opt, best_k)
-                spent += self.cost_ms(rows + best_k) - self.cost_ms(rows) + opt.extra_ms(best_k)
-                rows += best_k
+                spent += cost[added + best_k] - cost[added] + opt.extra_ms(best_k)
+                added += best_k
                 tokens += expected_tokens(opt.rate, best_k)
         return chosen
 
