@@ -335,3 +335,10 @@ def test_a_source_below_the_floor_rate_is_not_asked():
     assert planner.plan([Option("a", "suffix", 32, floor16 - 0.01, free)], 16, 16) == {}
     assert planner.plan([Option("a", "suffix", 32, floor16 + 0.2, free)], 16, 16)
     assert ChainPlanner(CHEAP_ROWS, max_rows=16).floor_rate(16, 16) == 1.0
+
+
+def test_no_chain_makes_a_forward_longer_than_the_cost_table_measured(target):
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX,
+                           chain_costs=CHEAP_ROWS, chain_rows=32)
+    assert sched.chains.max_rows == 32
+    assert sched.chains.plan([Option("a", "suffix", 8, 0.99, lambda k: 0.0)], 40, 2) == {}

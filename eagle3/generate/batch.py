@@ -97,7 +97,7 @@ class BatchScheduler(Scheduler):
                  max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
                  chain_costs: Optional[Callable[[float], float]] = None, draft=None,
-                 draft_costs: Optional[Callable[[float], float]] = None):
+                 draft_costs: Optional[Callable[[float], float]] = None, chain_rows: int = 1 << 30):
         """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
         solo: an Engine with a draft on this target, for a greedy request that runs alone.
         prefix_cache_tokens: the prefix cache's budget (models.kv_cache.PrefixStore; on a
@@ -105,6 +105,8 @@ class BatchScheduler(Scheduler):
         chain_costs: ms of a forward by rows (runtime.costs.CostTable.target): speculation inside
         the batch, suffix chains where they pay (chains.py; on a row-stable layout only, where a
         checked row equals the row decoded alone; None: off).
+        chain_rows: no chain makes a forward longer than this (the cost table's largest block:
+        past it the costs are extrapolated, and a prompt chunk's rows made chains look free).
         draft, draft_costs: an EAGLE-3 draft layout on this target and the ms of its forward by rows:
         with chains on, a request may also append a chain of the draft's top-1 tokens (chains.py
         DraftChain: its own draft cache, fed the target's features from the batch's forwards)."""
@@ -125,7 +127,7 @@ class BatchScheduler(Scheduler):
         self.prefixes = (PrefixStore(prefix_cache_tokens) if self.row_stable and prefix_cache_tokens
                          else None)
         backend = getattr(target, "backend", None)
-        self.chains = (ChainPlanner(chain_costs, getattr(backend, "kernel_rows", 0) or 1 << 30)
+        self.chains = (ChainPlanner(chain_costs, min(getattr(backend, "kernel_rows", 0) or 1 << 30, chain_rows))
                        if chain_costs is not None and self.row_stable else None)
         eagle3 = draft is not None and getattr(draft.config, "algorithm", "") == "eagle3"
         self.draft = draft if self.chains is not None and eagle3 and draft_costs is not None else None
@@ -145,7 +147,8 @@ class BatchScheduler(Scheduler):
                    prefill_chunk, solo=engine if engine.speculative else None,
                    prefix_cache_tokens=prefix_cache_tokens,
                    chain_costs=costs.target if costs is not None else None, draft=engine.draft,
-                   draft_costs=costs.draft if costs is not None and costs.draft_ms else None)
+                   draft_costs=costs.draft if costs is not None and costs.draft_ms else None,
+                   chain_rows=max(costs.rows) if costs is not None else 1 << 30)
 
     # ------------------------------------------------------------------ requests
     def _request(self, rid: int, prompt_ids: list[int], params: SamplingParams,

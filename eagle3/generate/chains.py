@@ -221,6 +221,8 @@ class ChainPlanner:
         chosen = {}
         tokens, spent = float(decoders), self.cost_ms(max(decoders, 1))
         longest = min(max((o.most for o in options), default=0), self.max_rows - rows)
+        if longest < 1:
+            return chosen
         cost = [self.cost_ms(rows + k) for k in range(longest + 1)]    # by rows added; once a step
         added = 0
         for opt in sorted(options, key=lambda o: -o.rate):
