@@ -342,3 +342,23 @@ def test_no_chain_makes_a_forward_longer_than_the_cost_table_measured(target):
                            chain_costs=CHEAP_ROWS, chain_rows=32)
     assert sched.chains.max_rows == 32
     assert sched.chains.plan([Option("a", "suffix", 8, 0.99, lambda k: 0.0)], 40, 2) == {}
+
+
+def test_a_draft_the_batch_cannot_use_is_refused_where_it_enters(target):
+    """An EAGLE-1 draft (no aux features), a draft without its costs, or one for another
+    vocabulary raise at construction instead of being dropped; chain_mode says what runs."""
+    from eagle3.errors import ContractError, InputError
+    from spec_helpers import tiny_draft
+    model = tiny_target(seed=3)
+    kw = dict(max_batch=2, max_model_len=CTX, chain_costs=CHEAP_ROWS)
+    with pytest.raises(InputError, match="EAGLE-3"):
+        BatchScheduler(target, StubTokenizer(), set(), draft=tiny_draft(model, algorithm="eagle"),
+                       draft_costs=CHEAP_DRAFT, **kw)
+    with pytest.raises(InputError, match="draft_costs"):
+        BatchScheduler(target, StubTokenizer(), set(), draft=tiny_draft(model), **kw)
+    with pytest.raises(ContractError, match="vocab"):
+        BatchScheduler(target, StubTokenizer(), set(), draft=tiny_draft(tiny_target(seed=3, vocab=48)),
+                       draft_costs=CHEAP_DRAFT, **kw)
+    sched = BatchScheduler(target, StubTokenizer(), set(), draft=tiny_draft(model), draft_costs=CHEAP_DRAFT, **kw)
+    assert "EAGLE-3 draft" in sched.chain_mode()
+    assert "cost table" in BatchScheduler(target, StubTokenizer(), set(), max_batch=2).chain_mode()

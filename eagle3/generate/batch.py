@@ -47,6 +47,7 @@ import torch
 from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
+from ..speculative.decoder import check_draft
 from ..speculative.step import Step
 from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, Option, check_chain,
                      expected_tokens)
@@ -129,11 +130,15 @@ class BatchScheduler(Scheduler):
         backend = getattr(target, "backend", None)
         self.chains = (ChainPlanner(chain_costs, min(getattr(backend, "kernel_rows", 0) or 1 << 30, chain_rows))
                        if chain_costs is not None and self.row_stable else None)
-        eagle3 = draft is not None and getattr(draft.config, "algorithm", "") == "eagle3"
-        self.draft = draft if self.chains is not None and eagle3 and draft_costs is not None else None
+        if draft is not None:             # checked where it enters, used only with chains on
+            if draft.config.algorithm != "eagle3" or draft_costs is None:
+                raise InputError(f"draft chains need an EAGLE-3 draft (this one: {draft.config.algorithm}) "
+                                 "and draft_costs (its forward's ms by rows); pass draft=None for "
+                                 "suffix chains alone")
+            check_draft(draft, target, ())
+        self.draft = draft if self.chains is not None else None
         self.draft_costs = draft_costs
         self.capture_ids = tuple(draft.config.aux_layer_ids) if self.draft is not None else ()
-        self.sources: dict[int, str] = {}         # this step's chains: request id -> "suffix" / "draft"
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
@@ -143,12 +148,22 @@ class BatchScheduler(Scheduler):
         cost table, appends suffix chains inside the batch."""
         policy = next(iter(engine.policies.values()), None)
         costs = getattr(policy, "costs", None)
+        drafts = (engine.draft is not None and engine.draft.config.algorithm == "eagle3"
+                  and costs is not None and bool(costs.draft_ms))
         return cls(engine.target, engine.tokenizer, engine.eos_ids, max_batch, engine.max_model_len,
                    prefill_chunk, solo=engine if engine.speculative else None,
                    prefix_cache_tokens=prefix_cache_tokens,
-                   chain_costs=costs.target if costs is not None else None, draft=engine.draft,
-                   draft_costs=costs.draft if costs is not None and costs.draft_ms else None,
+                   chain_costs=costs.target if costs is not None else None,
+                   draft=engine.draft if drafts else None, draft_costs=costs.draft if drafts else None,
                    chain_rows=max(costs.rows) if costs is not None else 1 << 30)
+
+    def chain_mode(self) -> str:
+        """What speculation inside the batch runs here, and why not where it does not."""
+        if self.chains is None:
+            return ("off: it needs a row-stable layout (this one is not)" if not self.row_stable else
+                    "off: it needs the adaptive step's cost table (a speculative engine)")
+        return ("each request appends a chain its suffix index" + (" or the EAGLE-3 draft" if self.draft else "")
+                + " guesses where the machine's cost of the rows pays (greedy and sampled)")
 
     # ------------------------------------------------------------------ requests
     def _request(self, rid: int, prompt_ids: list[int], params: SamplingParams,
@@ -172,7 +187,7 @@ class BatchScheduler(Scheduler):
             self._end_solo(solo[0])               # company: it joins the batch from its last token
         elif solo or self._may_go_solo():
             return self._solo_step(self.running[0])
-        blocks = self._blocks()
+        blocks, sources = self._blocks()
         rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks])
         picks, first = [], []             # the rows whose logits are wanted; each block's first pick
         for blk, (_, _, decodes) in zip(rows.blocks, blocks):
@@ -189,7 +204,7 @@ class BatchScheduler(Scheduler):
         for i, (req, ids, decodes) in enumerate(blocks):
             blk = rows.blocks[i]
             if decodes and len(ids) > 1:  # its last token and a chain: checked row by row
-                chain, source = ids[1:], self.sources[req.id]
+                chain, source = ids[1:], sources[req.id]
                 tokens = check_chain(logits[first[i]:first[i] + len(ids)], chain, req.params, req.gen)
                 kept = len(tokens) - 1
                 self.cache.truncate(req.slot, blk.start + 1 + kept)
@@ -235,10 +250,9 @@ class BatchScheduler(Scheduler):
         if aux is not None and req.chain is not None and req.chain.draft is not None:
             req.chain.draft.wait(aux[first_row:first_row + n])
 
-    def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, list[int]]:
-        """{request id: chain} for the decoding requests whose guesses pay this step (chains.py),
-        given the step's other rows; the source of each in self.sources."""
-        self.sources = {}
+    def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, tuple[str, list[int]]]:
+        """{request id: (source, chain)} for the decoding requests whose guesses pay this step
+        (chains.py), given the step's other rows."""
         if self.chains is None or not decoders:
             return {}
         options, guesses = [], {}
@@ -261,8 +275,7 @@ class BatchScheduler(Scheduler):
             r = by_id[rid]
             chain = guesses[rid][:k] if opt.source == "suffix" else r.chain.draft.guess(k, r.prompt_ids + r.out_ids)
             if chain:
-                chains[rid] = chain
-                self.sources[rid] = opt.source
+                chains[rid] = (opt.source, chain)
         return chains
 
     # ------------------------------------------------------------------ alone: speculative
@@ -316,9 +329,9 @@ class BatchScheduler(Scheduler):
             req.slot = self.cache.allocate()
             self.running.append(req)
 
-    def _blocks(self) -> list[tuple[BatchRequest, list[int], bool]]:
+    def _blocks(self) -> tuple[list[tuple[BatchRequest, list[int], bool]], dict[int, str]]:
         """Each running request's tokens this step, and whether the block decodes (its logits give
-        the next token): decoders first (their last token, and a chain where one pays), then
+        the next token), and the source of each chain by request id: decoders first (their last token, and a chain where one pays), then
         prompt chunks in order (a request back from solo prefills its prompt and output so far the
         same way)."""
         decoders = [r for r in self.running if not r.prefilling]
@@ -340,7 +353,8 @@ class BatchScheduler(Scheduler):
                 prefill.append((r, ids, False))
                 budget -= len(ids)
         chains = self._chains(decoders, len(decoders) + sum(len(ids) for _, ids, _ in prefill))
-        return [(r, [r.out_ids[-1]] + chains.get(r.id, []), True) for r in decoders] + prefill
+        blocks = [(r, [r.out_ids[-1]] + chains.get(r.id, ("", []))[1], True) for r in decoders] + prefill
+        return blocks, {rid: source for rid, (source, _) in chains.items()}
 
     def _retire(self, req: BatchRequest) -> None:
         if req.slot is not None:

@@ -112,17 +112,8 @@ def batch_mode(engine, max_batch: int) -> tuple[int, str]:
                 f"prompts prefilled in chunks of {PREFILL_CHUNK} tokens")
     if not engine.speculative:
         return max_batch, batching
-    policy = next(iter(engine.policies.values()), None)
-    stable = bool(getattr(getattr(engine.target, "backend", None), "row_stable", False))
-    if policy is not None and stable:
-        inside = ("; inside the batch each request appends a chain its suffix index"
-                  + (" or the draft" if engine.draft is not None else "")
-                  + " guesses where the machine's cost of the rows pays (greedy and sampled)")
-    else:
-        inside = ("; no speculation inside the batch: it needs the adaptive step's cost table and a "
-                  "row-stable layout" + ("" if stable else " (this one is not)"))
     return max_batch, (f"{batching}; speculative decoding for a greedy request that runs alone "
-                       f"(it joins the batch when another arrives){inside}")
+                       "(it joins the batch when another arrives)")
 
 
 # ---------------------------------------------------------------------------- server state
@@ -150,6 +141,7 @@ class Server:
             scheduler = BatchScheduler.from_engine(engine, self.max_batch,
                                                    prefix_cache_tokens=prefix_cache_tokens)
             log.info("prefix cache: %s", prefix_cache_state(scheduler, prefix_cache_tokens))
+            log.info("speculation inside the batch: %s", scheduler.chain_mode())
         else:
             scheduler = SerialScheduler(engine)
         self.worker = EngineWorker(scheduler, max_queue, self.after_job, on_step)
