@@ -260,10 +260,12 @@ def test_a_draft_chain_reads_the_features_of_every_fed_token(one_thread):
     other = sched.add(DRAFT_PROMPTS[0], SamplingParams(max_new_tokens=9, ignore_eos=True))
     drain(sched)
     d = req.chain.draft
-    assert d.offset == 0 and d.cache.length == 0 and d.waiting_rows == len(req.prompt_ids) + 6 - 1
+    assert d.offset == 0 and d.slot is None and d.waiting_rows == len(req.prompt_ids) + 6 - 1
     feats = torch.cat(d.waiting)
     tokens = req.prompt_ids + req.out_ids
-    assert d.guess(1, tokens) and d.cache.length == len(tokens) - 1
+    d = sched.drafts.open(0)                          # its slot went with the request: a fresh one
+    d.wait(feats)
+    assert d.guess(1, tokens) and d.length == len(tokens) - 1
     one = draft.new_cache(CTX)
     ref = draft(torch.tensor([tokens[1:]]), torch.arange(len(tokens) - 1), one, features=feats[None],
                 logits_rows=slice(-1, None))
@@ -277,19 +279,34 @@ def test_a_draft_chain_reads_the_features_of_every_fed_token(one_thread):
 def test_a_long_catch_up_is_spread_over_the_tokens_a_request_has_left(target):
     """A draft waiting on a whole prompt would never look worth one chain; the rows past a step's
     worth are charged in proportion to the tokens the chain brings out of those left."""
-    from eagle3.generate.chains import DRAFT_MAX_TOKENS, DraftChain
+    from eagle3.generate.chains import DRAFT_MAX_TOKENS, DraftSpend
     from spec_helpers import tiny_draft
     draft = tiny_draft(tiny_target(seed=3))
     costs = lambda rows: 1.0 + 0.1 * rows           # noqa: E731
     sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX,
                            chain_costs=CHEAP_ROWS, draft=draft, draft_costs=costs)
-    d = DraftChain(draft, CTX, 0)
+    d = sched.drafts.open(0)
     d.wait(torch.zeros(200, 3 * 32))
     step = DRAFT_MAX_TOKENS + 1
     share = (1 + expected_tokens(d.rate, 2)) / 100
-    assert sched._draft_ms(d, 100, 0.3)(2) == pytest.approx(costs(step) + (costs(200) - costs(step)) * share + 0.3)
+    spend = DraftSpend(costs)
+    assert sched._draft_ms(d, 100, spend)(2) == pytest.approx(costs(step) + (costs(200) - costs(step)) * share
+                                                             + costs(1))
     d.waiting = [torch.zeros(3, 3 * 32)]             # a step's worth: charged in full
-    assert sched._draft_ms(d, 100, 0.3)(1) == pytest.approx(costs(3))
+    assert sched._draft_ms(d, 100, spend)(1) == pytest.approx(costs(3))
+
+
+def test_a_second_draft_chain_pays_only_the_rows_it_adds_to_each_level():
+    """Draft chains of a step share their forwards (one a level over every chain's rows): the
+    first chain pays whole forwards, the next what its rows add to them."""
+    from eagle3.generate.chains import DraftSpend
+    costs = lambda rows: 1.0 + 0.1 * rows           # noqa: E731
+    spend = DraftSpend(costs)
+    assert spend.added_ms(3, 1) == pytest.approx(costs(3))
+    assert spend.added_ms(0, 3) == pytest.approx(2 * costs(1))   # its head is ready: 2 forwards
+    spend.take(3, 2)
+    assert spend.added_ms(2, 3) == pytest.approx(0.2 + 0.1 + costs(1))
+    assert spend.added_ms(0, 1) == 0.0
 
 
 def test_a_request_back_from_the_solo_engine_keeps_its_draft_context(one_thread):
@@ -362,3 +379,84 @@ def test_a_draft_the_batch_cannot_use_is_refused_where_it_enters(target):
     sched = BatchScheduler(target, StubTokenizer(), set(), draft=tiny_draft(model), draft_costs=CHEAP_DRAFT, **kw)
     assert "EAGLE-3 draft" in sched.chain_mode()
     assert "cost table" in BatchScheduler(target, StubTokenizer(), set(), max_batch=2).chain_mode()
+
+
+def _layout_pool(slots: int):
+    from eagle3.draft.inference import build_draft_layout
+    from eagle3.generate.chains import DraftPool
+    from spec_helpers import tiny_draft
+    model = tiny_target(seed=4)
+    layout = build_draft_layout(tiny_draft(model, seed=2))
+    return model, layout, DraftPool(layout, CTX, slots)
+
+
+def _draft_alone(draft, seq: list[int], offset: int, feats: torch.Tensor, k: int):
+    """The solo engine's drafting of a chain: the catch-up over the features (the ids after each
+    of their tokens at positions offset..), then one forward a token; (tokens, catch-up logits)."""
+    cache = draft.new_cache(CTX)
+    m = feats.shape[0]
+    out = draft(torch.tensor([seq[offset + 1:offset + 1 + m]]), torch.arange(offset, offset + m), cache,
+                features=feats[None], logits_rows=slice(-1, None))
+    logits, hidden, first = out.logits[0, -1], out.hidden[0, -1], out.logits[0, -1]
+    tokens = []
+    for d in range(k):
+        token = draft.to_target_ids(logits.argmax().view(1))
+        tokens.append(int(token))
+        if d + 1 < k:
+            o = draft(token.view(1, 1), torch.tensor([offset + m + d]), cache, hidden=hidden.view(1, 1, -1),
+                      logits_rows=slice(-1, None))
+            logits, hidden = o.logits[0, -1], o.hidden[0, -1]
+    return tokens, first
+
+
+def test_drafting_several_chains_in_one_forward_equals_drafting_each_alone(one_thread):
+    """The pool's batched draft (one forward over every chain's catch-up rows, then one a token
+    over the chains still going, InferenceDraft.forward_rows) proposes each chain's tokens as the
+    solo engine drafts that chain alone, with its logits within float error, and leaves each slot
+    at its catch-up."""
+    model, layout, pool = _layout_pool(3)
+    gen = torch.Generator().manual_seed(0)
+    width = layout.reference.expected_feature_width
+    seqs = [torch.randint(0, 32, (n,), generator=gen).tolist() for n in (9, 5, 12)]
+    offsets, ks = (0, 3, 1), (3, 1, 4)
+    chains, feats = [], []
+    for seq, off in zip(seqs, offsets):
+        f = torch.randn(len(seq) - off - 1, width, generator=gen)
+        c = pool.open(off)
+        c.wait(f[:4])
+        c.wait(f[4:])
+        chains.append(c)
+        feats.append(f)
+    calls = []
+    real = layout.forward_rows
+    layout.forward_rows = lambda *a, **kw: calls.append(len(a[1].blocks)) or real(*a, **kw)
+    together = pool.guess([(c, k, s) for c, k, s in zip(chains, ks, seqs)])
+    del layout.forward_rows
+    assert calls == [3, 2, 2]             # batched: the catch-ups, then chains 1 and 3 twice (3 alone)
+    for c, k, s, f, got in zip(chains, ks, seqs, feats, together):
+        want, logits = _draft_alone(layout, s, c.offset, f, k)
+        assert got == want
+        torch.testing.assert_close(c.head[0], logits, rtol=1e-4, atol=1e-4)
+        assert c.length == len(s) - c.offset - 1 and not c.waiting
+
+
+@pytest.mark.lossless
+def test_batched_draft_chains_leave_outputs_as_plain(one_thread):
+    """The packed draft layout drafting every request's chain together inside the batch: each
+    output is plain decoding's alone, and some steps drafted several chains in one forward."""
+    model, layout, _ = _layout_pool(1)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
+             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
+                           chain_costs=CHEAP_ROWS, draft=layout, draft_costs=CHEAP_DRAFT)
+    calls = []
+    real = layout.forward_rows
+    layout.forward_rows = lambda *a, **kw: calls.append(len(a[1].blocks)) or real(*a, **kw)
+    reqs = [sched.add(p, q) for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    chunks = drain(sched)
+    for req, want in zip(reqs, truth):
+        assert [t for c in chunks[req.id] for t in c.token_ids] == want
+    assert calls and max(calls) >= 2
+    assert sched.drafts.cache.num_free == 3                    # every request's slot came back

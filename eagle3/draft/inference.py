@@ -15,7 +15,7 @@ import torch
 
 from .. import kernels
 from ..errors import InputError
-from ..models.kv_cache import KVCache
+from ..models.kv_cache import KVCache, SlotCache, SlotRows
 from ..models.llama import as_block, rows_of
 from ..runtime.backend import Backend, choose_backend
 from ..runtime.layer import FastLayer, norm_of
@@ -108,6 +108,39 @@ class InferenceDraft:
         if self.eagle3 and self.config.norm_output:
             return DraftOutput(self._logits(out, logits_rows), self.backend.rms_norm(out, *self.norm))
         return DraftOutput(self._logits(out, logits_rows), out)
+
+    @torch.inference_mode()
+    def forward_rows(self, input_ids: torch.Tensor, rows: SlotRows, cache: SlotCache, *,
+                     features: Optional[torch.Tensor] = None, hidden: Optional[torch.Tensor] = None,
+                     logit_rows: Optional[torch.Tensor] = None) -> DraftOutput:
+        """The drafts of several sequences in one forward (an EAGLE-3 draft inside the batch), each
+        block appended at its own slot's length, every linear called once over all rows:
+        input_ids [N] in the order of rows.blocks (rows.positions: each row's rotary position),
+        features [N, F] or hidden [N, H]. -> DraftOutput(logits of each block's last row, or of
+        `logit_rows` [n, V]; the hidden handed to the next step [N, H])."""
+        if not self.eagle3:
+            raise InputError("drafting several sequences in one forward takes an EAGLE-3 draft")
+        if input_ids.numel() != rows.num_rows:
+            raise ValueError(f"input_ids has {input_ids.numel()} tokens, rows plan {rows.num_rows}")
+        self.reference.check_inputs(features, hidden)
+        n = rows.num_rows
+        h = (self.fuse(features) if features is not None else hidden).reshape(1, n, -1)
+        cos, sin = self.cos[rows.positions].view(1, 1, n, -1), self.sin[rows.positions].view(1, 1, n, -1)
+        rms = self.backend.rms_norm
+        emb = self.embed_tokens(input_ids.view(1, -1))
+        x_in = torch.cat([rms(emb, *self.input_norm), rms(h, *self.hidden_norm)], dim=-1)
+        out = self.layer.forward_rows(h, cos, sin, *cache.layer(0), rows, x_in=x_in)
+        for i, layer in enumerate(self.extra):
+            out = layer.forward_rows(out, cos, sin, *cache.layer(i + 1), rows)
+        cache.commit(rows)
+        last = out[0, rows.last if logit_rows is None else logit_rows]
+        feedback = rms(out[0], *self.norm) if self.config.norm_output else out[0]
+        return DraftOutput(self.lm_head(rms(last, *self.norm)), feedback)
+
+    def new_slot_cache(self, max_len: int, slots: int) -> SlotCache:
+        cfg = self.config
+        return SlotCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, slots, torch.float32,
+                         self.device)
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         if self.pre_fc_norm is not None:

@@ -23,7 +23,10 @@ request's block may be its last token and a chain of tokens its suffix index gue
 and output so far), where the machine's cost of the extra rows pays for the tokens the request's
 rolling acceptance expects. The forward gives logits for every row of such a block; its tokens are
 sampled row by row as plain decoding samples them until one differs from the chain, and the slot
-drops the rows past the accepted ones. Greedy and seeded outputs stay plain decoding's.
+drops the rows past the accepted ones. Greedy and seeded outputs stay plain decoding's. With an
+EAGLE-3 draft a request may instead append its draft's top-1 tokens; the requests' drafts share
+one slotted draft cache and are drafted together (chains.DraftPool: a forward a level over every
+chain's rows), and the planner charges a chain what its rows add to those forwards.
 
 Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that
 is admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches
@@ -49,8 +52,8 @@ from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
 from ..speculative.decoder import check_draft
 from ..speculative.step import Step
-from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, Option, check_chain,
-                     expected_tokens)
+from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, DraftPool, DraftSpend,
+                     Option, check_chain, expected_tokens)
 from .engine import Run
 from .output import Output
 from .scheduler import Emitted, Request, Scheduler
@@ -137,6 +140,8 @@ class BatchScheduler(Scheduler):
                                  "suffix chains alone")
             check_draft(draft, target, ())
         self.draft = draft if self.chains is not None else None
+        self.drafts = (DraftPool(self.draft, max_model_len + DRAFT_MAX_TOKENS, max_batch)
+                       if self.draft is not None else None)
         self.draft_costs = draft_costs
         self.capture_ids = tuple(draft.config.aux_layer_ids) if self.draft is not None else ()
 
@@ -235,15 +240,17 @@ class BatchScheduler(Scheduler):
             req.chain.index.extend(chunk.token_ids)
         return Emitted(req, chunk)
 
-    def _draft_ms(self, d: DraftChain, room: int, one: float) -> Callable[[int], float]:
-        """A draft chain's ms outside the forward for k tokens: a draft forward per token past the
-        first, and its catch-up over the waiting rows. A step's worth of rows is charged in full;
-        past that (a prompt, a stretch of suffix chains) the catch-up is paid once for the rest of
-        the request, so it is spread over the tokens it has left (each chain charged its share)."""
+    def _draft_ms(self, d: DraftChain, room: int, spend: DraftSpend) -> Callable[[int], float]:
+        """A draft chain's ms outside the forward for k tokens: what its catch-up over the waiting
+        rows and a row per token past the first add to the step's draft forwards (`spend`: one
+        forward a level over every chain's rows). A step's worth of waiting rows is charged in
+        full; past that (a prompt, a stretch of suffix chains) the catch-up is paid once for the
+        rest of the request, so it is spread over the tokens it has left (each chain charged its
+        share)."""
         step = min(d.waiting_rows, DRAFT_MAX_TOKENS + 1)
-        now = self.draft_costs(step) if step else 0.0
-        later = self.draft_costs(d.waiting_rows) - now if d.waiting_rows > step else 0.0
-        return lambda k: now + later * min(1.0, (1 + expected_tokens(d.rate, k)) / max(room, 1)) + (k - 1) * one
+        later = self.draft_costs(d.waiting_rows) - self.draft_costs(step) if d.waiting_rows > step else 0.0
+        return lambda k: (spend.added_ms(step, k)
+                          + later * min(1.0, (1 + expected_tokens(d.rate, k)) / max(room, 1)))
 
     def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], first_row: int, n: int) -> None:
         """The target's features of the request's n tokens fed this step, for its draft chain."""
@@ -256,7 +263,7 @@ class BatchScheduler(Scheduler):
         if self.chains is None or not decoders:
             return {}
         options, guesses = [], {}
-        one = self.draft_costs(1) if self.draft is not None else 0.0
+        spend = DraftSpend(self.draft_costs) if self.draft is not None else None
         floor = self.chains.floor_rate(rows, len(decoders))
         for r in decoders:
             room = r.params.max_new_tokens - len(r.out_ids) - 1
@@ -266,14 +273,18 @@ class BatchScheduler(Scheduler):
                 options.append(Option(r.id, "suffix", len(guess), r.chain.rate, NO_EXTRA))
             d = r.chain.draft
             if d is not None and d.rate > floor and (d.waiting or d.head is not None):
+                step = min(d.waiting_rows, DRAFT_MAX_TOKENS + 1)
                 options.append(Option(r.id, "draft", d.cap(room, DRAFT_MAX_TOKENS), d.rate,
-                                      self._draft_ms(d, room, one)))
+                                      self._draft_ms(d, room, spend),
+                                      lambda k, step=step: spend.take(step, k)))
         plan = self.chains.plan(options, rows, len(decoders)) if options else {}
         by_id = {r.id: r for r in decoders}
+        asks = [(by_id[rid].chain.draft, k, by_id[rid].prompt_ids + by_id[rid].out_ids)
+                for rid, (opt, k) in plan.items() if opt.source == "draft"]
+        drafted = iter(self.drafts.guess(asks) if asks else [])   # every draft chain at once
         chains = {}
         for rid, (opt, k) in plan.items():
-            r = by_id[rid]
-            chain = guesses[rid][:k] if opt.source == "suffix" else r.chain.draft.guess(k, r.prompt_ids + r.out_ids)
+            chain = guesses[rid][:k] if opt.source == "suffix" else next(drafted)
             if chain:
                 chains[rid] = (opt.source, chain)
         return chains
@@ -312,8 +323,7 @@ class BatchScheduler(Scheduler):
             if self.draft is not None and decoder.draft is self.draft and req.chain is None:
                 req.chain = ChainState()          # its draft keeps the context it had alone
                 req.chain.index.extend(req.prompt_ids + req.out_ids)
-                req.chain.draft = DraftChain.resume(self.draft, self.max_model_len + DRAFT_MAX_TOKENS,
-                                                    decoder.draft_cache, decoder.pending, decoder.head)
+                req.chain.draft = self.drafts.resume(decoder.draft_cache, decoder.pending, decoder.head)
         req.solo.close()
         req.solo = None
 
@@ -345,7 +355,7 @@ class BatchScheduler(Scheduler):
                 r.chain = ChainState()    # its index starts over the prompt and output so far
                 r.chain.index.extend(r.prompt_ids + r.out_ids)
                 if self.draft is not None:
-                    r.chain.draft = DraftChain(self.draft, self.max_model_len + DRAFT_MAX_TOKENS, r.fed)
+                    r.chain.draft = self.drafts.open(r.fed)
         prefill, budget = [], self.prefill_chunk
         for r in self.running:
             if r.prefilling and budget:
@@ -357,6 +367,8 @@ class BatchScheduler(Scheduler):
         return blocks, {rid: source for rid, (source, _) in chains.items()}
 
     def _retire(self, req: BatchRequest) -> None:
+        if req.chain is not None and req.chain.draft is not None:
+            req.chain.draft.close()
         if req.slot is not None:
             self.cache.release(req.slot)
             req.slot = None

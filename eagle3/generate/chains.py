@@ -31,6 +31,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 
 from ..errors import InputError
+from ..models.kv_cache import SlotCache
 from ..sampling import SamplingParams, sample_next
 from ..speculative.suffix import SuffixIndex
 
@@ -101,34 +102,23 @@ class ChainState(Rolling):
 
 
 class DraftChain(Rolling):
-    """One request's EAGLE-3 draft inside the batch, proposing a chain of its top-1 tokens. Its own
-    draft cache pairs, at row i, the target's features of the request's token offset + i with the
-    id of the token after it (SpecDecoder's layout, from `offset` on: a request that joined the
-    batch from the solo engine, or took its prompt from the prefix cache, has no features before
-    it). The features of every token the target computed wait in `waiting` until a chain is asked
-    for; then one draft forward catches up over them."""
+    """One request's EAGLE-3 draft inside the batch, proposing a chain of its top-1 tokens. Its slot
+    of the pool's draft cache pairs, at row i, the target's features of the request's token
+    offset + i with the id of the token after it (SpecDecoder's layout, from `offset` on: a request
+    that joined the batch from the solo engine, or took its prompt from the prefix cache, has no
+    features before it). The features of every token the target computed wait in `waiting` until a
+    chain is asked for; then the pool's catch-up forward takes them."""
 
-    def __init__(self, draft, max_len: int, offset: int):
+    def __init__(self, pool: "DraftPool", slot: int, offset: int):
         super().__init__()
-        self.draft, self.offset = draft, offset
-        self.cache = draft.new_cache(max_len)
+        self.pool, self.slot, self.offset = pool, slot, offset
         self.waiting: list[torch.Tensor] = []        # [m, F] features of the next tokens, in order
         self.head: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # last row: logits, hidden
 
-    @classmethod
-    def resume(cls, draft, max_len: int, cache, pending: Sequence[tuple[torch.Tensor, torch.Tensor]],
-               head: Optional[tuple[torch.Tensor, torch.Tensor]]) -> "DraftChain":
-        """The draft state a request leaves the solo engine with (SpecDecoder's draft cache, its
-        waiting (next ids, features) rows and head), as a chain from token 0: the draft keeps
-        its context when the request joins a batch."""
-        chain = cls(draft, max_len, 0)
-        n = cache.length
-        chain.cache.k[:, :, :, :n] = cache.k[:, :, :, :n]
-        chain.cache.v[:, :, :, :n] = cache.v[:, :, :, :n]
-        chain.cache.length = n
-        chain.waiting = [f.clone() for _, f in pending]
-        chain.head = None if pending or head is None else (head[0], head[1])
-        return chain
+    @property
+    def length(self) -> int:
+        """Rows in its slot of the draft cache (0 once closed)."""
+        return self.pool.cache.lengths[self.slot] if self.slot is not None else 0
 
     @property
     def waiting_rows(self) -> int:
@@ -138,37 +128,138 @@ class DraftChain(Rolling):
         """The target's features [m, F] of the request's next m tokens."""
         self.waiting.append(features.clone())
 
-    @torch.inference_mode()
     def guess(self, k: int, tokens: Sequence[int]) -> list[int]:
-        """k draft tokens after `tokens` (the request's prompt and output so far): a catch-up over
-        the waiting rows, then a draft forward per token past the first; the draft cache is left
-        at the catch-up."""
-        if self.waiting:
-            feats = torch.cat(self.waiting)
-            self.waiting = []
-            start = self.cache.length
-            first = self.offset + start + 1                  # the id after the first waiting token
-            ids = torch.tensor(tokens[first:first + feats.shape[0]], dtype=torch.long)
-            if ids.numel() != feats.shape[0]:
-                raise ValueError(f"{feats.shape[0]} waiting feature rows but {ids.numel()} next tokens")
-            positions = torch.arange(self.offset + start, self.offset + start + ids.numel())
-            out = self.draft(ids[None], positions, self.cache, features=feats[None], logits_rows=slice(-1, None))
-            self.head = (out.logits[0, -1], out.hidden[0, -1])
-        if self.head is None:
-            return []
-        n = self.cache.length
-        logits, hidden = self.head
-        out = []
-        for d in range(k):
-            token = self.draft.to_target_ids(logits.argmax().view(1))
-            out.append(int(token))
-            if d + 1 == k:
+        """k draft tokens after `tokens` (the request's prompt and output so far): this chain
+        alone through the pool."""
+        return self.pool.guess([(self, k, tokens)])[0]
+
+    def close(self) -> None:
+        """Its slot back to the pool (the request left the batch)."""
+        if self.slot is not None:
+            self.pool.cache.release(self.slot)
+            self.slot = None
+
+
+class DraftPool:
+    """The batch's EAGLE-3 draft over one slotted draft cache (a slot per request's DraftChain).
+    `guess` drafts every asked chain level by level: one forward over all their catch-up rows, then
+    one forward a token over the chains still going, each row of a chain in its own slot (the
+    draft's `forward_rows`; a draft without it, or a single chain, runs each block on its slot's
+    view, as the solo engine drafts)."""
+
+    def __init__(self, draft, max_len: int, slots: int):
+        self.draft, self.max_len = draft, max_len
+        cfg = draft.config
+        self.cache = SlotCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, slots,
+                               torch.float32, getattr(draft, "device", torch.device("cpu")))
+        self.batched = hasattr(draft, "forward_rows")
+
+    def open(self, offset: int) -> DraftChain:
+        """A chain for a request whose draft features start at token `offset`."""
+        return DraftChain(self, self.cache.allocate(), offset)
+
+    def resume(self, cache, pending: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               head: Optional[tuple[torch.Tensor, torch.Tensor]]) -> DraftChain:
+        """The draft state a request leaves the solo engine with (SpecDecoder's draft cache, its
+        waiting (next ids, features) rows and head), as a chain from token 0: the draft keeps
+        its context when the request joins a batch."""
+        chain = self.open(0)
+        n = cache.length
+        self.cache.write(chain.slot, cache.k[:, 0, :, :n], cache.v[:, 0, :, :n])
+        chain.waiting = [f.clone() for _, f in pending]
+        chain.head = None if pending or head is None else (head[0], head[1])
+        return chain
+
+    @torch.inference_mode()
+    def guess(self, asks: Sequence[tuple[DraftChain, int, Sequence[int]]]) -> list[list[int]]:
+        """(chain, k, the request's prompt and output so far) -> k draft tokens each (none for a
+        chain with nothing to draft from): the catch-ups over the waiting rows in one forward,
+        then a forward per token past the first over the chains still going; each slot is left
+        at its catch-up."""
+        catch = [(c, t) for c, _, t in asks if c.waiting]
+        if catch:
+            ids, feats, blocks, offsets = [], [], [], []
+            for c, tokens in catch:
+                f = torch.cat(c.waiting)
+                c.waiting = []
+                first = c.offset + c.length + 1              # the id after the first waiting token
+                nxt = list(tokens[first:first + f.shape[0]])
+                if len(nxt) != f.shape[0]:
+                    raise ValueError(f"{f.shape[0]} waiting feature rows but {len(nxt)} next tokens")
+                ids += nxt
+                feats.append(f)
+                blocks.append((c.slot, f.shape[0]))
+                offsets.append(c.offset)
+            logits, hidden, last = self._forward(torch.tensor(ids), blocks, offsets, features=torch.cat(feats))
+            for i, (c, _) in enumerate(catch):
+                c.head = (logits[i], hidden[last[i]])
+        going = [(c, k) for c, k, _ in asks if c.head is not None and k > 0]
+        out = {id(c): [] for c, _, _ in asks}
+        kept = {c.slot: c.length for c, _ in going}
+        heads = [c.head for c, _ in going]
+        while going:
+            logits = torch.stack([lg for lg, _ in heads])
+            tokens = self.draft.to_target_ids(logits.argmax(dim=-1))
+            for (c, _), t in zip(going, tokens.tolist()):
+                out[id(c)].append(t)
+            more = [i for i, (c, k) in enumerate(going) if len(out[id(c)]) < k]
+            if not more:
                 break
-            o = self.draft(token.view(1, 1), torch.tensor([self.offset + n + d]), self.cache,
-                           hidden=hidden.view(1, 1, -1), logits_rows=slice(-1, None))
-            logits, hidden = o.logits[0, -1], o.hidden[0, -1]
-        self.cache.truncate(n)
-        return out
+            lg, hid, _ = self._forward(tokens[more], [(going[i][0].slot, 1) for i in more],
+                                       [going[i][0].offset for i in more],
+                                       hidden=torch.stack([heads[i][1] for i in more]))
+            going = [going[i] for i in more]
+            heads = [(lg[j], hid[j]) for j in range(len(more))]
+        for slot, length in kept.items():
+            self.cache.truncate(slot, length)
+        return [out[id(c)] for c, _, _ in asks]
+
+    def _forward(self, ids: torch.Tensor, blocks: list[tuple[int, int]], offsets: list[int], **inputs):
+        """One draft forward over blocks (slot, rows) with ids [N] and features or hidden [N, *]:
+        (logits of each block's last row, hidden [N, H], each block's last row index)."""
+        rows = self.cache.plan(blocks)
+        positions = rows.index + torch.cat([torch.full((b.rows,), off, dtype=torch.long)
+                                            for b, off in zip(rows.blocks, offsets)])
+        rows = rows._replace(positions=positions.to(rows.positions.device))
+        if self.batched and len(blocks) > 1:
+            o = self.draft.forward_rows(ids, rows, self.cache, **inputs)
+            return o.logits, o.hidden, rows.last.tolist()
+        logits, hidden = [], []
+        for b in rows.blocks:
+            r = slice(b.first_row, b.first_row + b.rows)
+            view = self.cache.view(b.slot)
+            o = self.draft(ids[r][None], rows.positions[r][None], view, logits_rows=slice(-1, None),
+                           **{name: x[r][None] for name, x in inputs.items()})
+            self.cache.set_length(b.slot, view.length)
+            logits.append(o.logits[0, -1])
+            hidden.append(o.hidden[0])
+        return torch.stack(logits), torch.cat(hidden), rows.last.tolist()
+
+
+class DraftSpend:
+    """The draft forwards a step has taken on so far, as rows by level (0: the catch-ups, then a
+    row per chain and token past the first): what one more chain adds, since each level is one
+    forward over every chain's rows (DraftPool)."""
+
+    def __init__(self, cost_ms: Callable[[float], float]):
+        self.cost_ms = cost_ms
+        self.rows = [0] * DRAFT_MAX_TOKENS
+
+    def _adds(self, catch_up: int, k: int) -> list[int]:
+        return [catch_up] + [1] * (k - 1)
+
+    def added_ms(self, catch_up: int, k: int) -> float:
+        """ms a chain of k adds, with `catch_up` waiting rows."""
+        total = 0.0
+        for level, r in enumerate(self._adds(catch_up, k)):
+            have = self.rows[level]
+            if r:
+                total += self.cost_ms(have + r) - (self.cost_ms(have) if have else 0.0)
+        return total
+
+    def take(self, catch_up: int, k: int) -> None:
+        for level, r in enumerate(self._adds(catch_up, k)):
+            self.rows[level] += r
 
 
 def expected_tokens(rate: float, k: int) -> float:
@@ -186,6 +277,7 @@ class Option(NamedTuple):
     most: int                            # its longest chain now
     rate: float                          # its per-token acceptance
     extra_ms: Callable[[int], float]     # ms spent outside the forward for a chain of k (the draft)
+    take: Optional[Callable[[int], None]] = None   # told the k chosen (the draft's step spend)
 
 
 NO_EXTRA = lambda k: 0.0                 # noqa: E731  a suffix guess costs nothing to make
@@ -243,6 +335,8 @@ class ChainPlanner:
             if best_k:
                 chosen[opt.key] = (opt, best_k)
                 spent += cost[added + best_k] - cost[added] + opt.extra_ms(best_k)
+                if opt.take is not None:
+                    opt.take(best_k)
                 added += best_k
                 tokens += expected_tokens(opt.rate, best_k)
         return chosen

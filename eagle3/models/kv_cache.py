@@ -37,6 +37,16 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
 
+    @classmethod
+    def over(cls, k: torch.Tensor, v: torch.Tensor, length: int) -> "KVCache":
+        """A cache on existing buffers k, v [num_layers, batch, num_kv_heads, max_len, head_dim]
+        (views: what it writes lands in them), holding `length` tokens."""
+        cache = cls.__new__(cls)
+        cache.k, cache.v = k, v
+        cache._layers = [(k[i], v[i]) for i in range(k.shape[0])]
+        cache.max_len, cache.length = k.shape[3], length
+        return cache
+
     @property
     def batch(self) -> int:
         return self.k.shape[1]
@@ -201,6 +211,18 @@ class SlotCache:
         if not 0 <= n <= self.lengths[slot]:
             raise InputError(f"slot {slot} holds {self.lengths[slot]} tokens, asked for {n}")
         return self.k[:, slot, :, :n].clone(), self.v[:, slot, :, :n].clone()
+
+    def view(self, slot: int) -> KVCache:
+        """The slot as a one-sequence KVCache on the same buffers, at the slot's length (a forward
+        on it writes into the slot; set_length(slot, view.length) after)."""
+        self._check_in_use(slot)
+        return KVCache.over(self.k[:, slot:slot + 1], self.v[:, slot:slot + 1], self.lengths[slot])
+
+    def set_length(self, slot: int, length: int) -> None:
+        """The slot holds `length` tokens (after a forward on its view)."""
+        self._check_in_use(slot)
+        check_room(0, length, self.max_len)
+        self.lengths[slot] = length
 
     def truncate(self, slot: int, length: int) -> None:
         """The slot keeps its first `length` tokens (a checked chain's rows past the accepted

@@ -120,17 +120,21 @@ class FastLayer:
 
     # ------------------------------------------------------------------ rows of several sequences
     def forward_rows(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_buf: torch.Tensor, v_buf: torch.Tensor, rows: SlotRows) -> torch.Tensor:
-        """A target layer over the rows of several sequences (continuous batching), each with its
-        own cache slot: one call per linear over all rows, attention per sequence (SlotRows).
-        The composite path's ops, so a row gets the bits it gets in its sequence's own forward;
-        as one C++ call (decoder_layer with the rows) where the one-call layer applies."""
+                     k_buf: torch.Tensor, v_buf: torch.Tensor, rows: SlotRows,
+                     x_in: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A layer over the rows of several sequences (continuous batching), each with its own
+        cache slot: one call per linear over all rows, attention per sequence (SlotRows). The
+        composite path's ops, so a row gets the bits it gets in its sequence's own forward; as one
+        C++ call (decoder_layer with the rows) where the one-call layer applies. x_in: as in
+        __call__ (an EAGLE-3 midlayer's attention input), on the composite path."""
         # h [1, N, H]; cos, sin [1, 1, N, D]; k_buf, v_buf [slots, Hkv, S, D]
-        if (self.one_call is not None and self.norm1 is not None and h.shape[1] <= self.backend.kernel_rows
-                and k_buf.dtype == torch.float32):
+        if (x_in is None and self.one_call is not None and self.norm1 is not None
+                and h.shape[1] <= self.backend.kernel_rows and k_buf.dtype == torch.float32):
             return self.backend.kernels.decoder_layer(h.contiguous(), None, self.one_call, cos, sin, k_buf,
                                                       v_buf, 0, None, rows.slot, rows.index, rows.keys)
-        h = h + self.attention_rows(self.backend.rms_norm(h, *self.norm1), cos, sin, k_buf, v_buf, rows)
+        if x_in is None:
+            x_in = h if self.norm1 is None else self.backend.rms_norm(h, *self.norm1)
+        h = h + self.attention_rows(x_in, cos, sin, k_buf, v_buf, rows)
         gate, up = self.gate_up(self.backend.rms_norm(h, *self.norm2)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)
 
