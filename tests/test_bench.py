@@ -367,6 +367,11 @@ def hand_count_weight_bytes(vocab, hidden, intermediate, layers, heads, kv_heads
     return (layers * per_layer + vocab * hidden) * gemm_bytes + (2 * layers + 1) * hidden * 4
 
 
+def kernels_vnni() -> bool:
+    from eagle3 import kernels
+    return kernels.integer_dots()
+
+
 class Ticks:
     """A clock that moves `step_s` per reading: every timed interval is exactly one step."""
 
@@ -392,6 +397,34 @@ def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):
     assert roof.bound_ms == pytest.approx(1e3 * want * 2e-3 / (8 * 2**20))   # weights at copy speed
     assert roof.ratio == pytest.approx(8 * 2**20 / want)
     assert roof.ratio_read == pytest.approx(4 * 2**20 / want)
+
+
+def test_row_roof_counts_the_integer_dots_a_row_needs(one_thread, monkeypatch):  # noqa: F811
+    """A row needs in x out / 64 vpdpbusd a linear; an extra row is priced from the forwards of 1
+    and 8 rows; a layout without one-digit codes has no row roof."""
+    from eagle3 import kernels
+    from eagle3.bench.roofline import dots_per_row, measure_rows
+    shape = dict(vocab=48, hidden=32, intermediate=80, layers=3)
+    target = build_target(tiny_target(**shape), torch.bfloat16)
+    head_dim = 32 // 4
+    per_layer = 32 * head_dim * (2 * 4 + 2 * 2) + 3 * 32 * 80
+    assert dots_per_row(target) == sum(-(-l.in_features * l.out_features // 64) for l in target.linears)
+    assert 64 * dots_per_row(target) == 3 * per_layer + 48 * 32
+    assert measure_rows(target) is None
+    for lin in target.linears:
+        lin.one_digit = True
+    monkeypatch.setattr(kernels, "integer_dot_peak", lambda reps=0: 2e9)
+    roof = measure_rows(target, rows=8, context=8, clock=Ticks(2e-3))
+    assert roof.bound_ms == pytest.approx(1e3 * dots_per_row(target) / 2e9)
+    assert roof.forward_ms == {1: pytest.approx(2.0), 8: pytest.approx(2.0)} and roof.extra_row_ms == 0.0
+    assert "integer-dot bound" in roof.text()
+
+
+@pytest.mark.skipif(not kernels_vnni(), reason="no AVX512-VNNI kernels here")
+def test_the_integer_dot_peak_is_measured_on_this_cpu():
+    from eagle3 import kernels
+    peak = kernels.integer_dot_peak(2_000_000)
+    assert 1e8 < peak < 1e12
 
 
 @pytest.mark.real

@@ -29,7 +29,7 @@ from ..speculative.tree import SpecParams
 from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
                      table, to_jsonable, tree_vs_chain_text)
 from .runner import BenchConfig, build, machine_info, run
-from .roofline import Roofline
+from .roofline import Roofline, RowRoof, measure_rows
 from .stats import Record
 from .systems import GenParams, RunResult, System
 from .tune import parse_shape
@@ -132,15 +132,18 @@ def bench_main(argv: list[str]) -> int:
     rows = summarize(records, setup.depths, peak_dict)
     ids = identities(records)
     roof = None if args.no_roofline else measure_roofline(setup, cfg)
+    row_roof = None if args.no_roofline else measure_rows(setup.target, clock=clock_of(cfg))
     print(f"workload: {workload_text(cfg, len(setup.prompts))}")
     print_report(setup.skipped, rows, records, ids, failed, roof)
+    if row_roof is not None:
+        print(row_roof.text())
     if setup.startup:
         print(startup_text(setup.startup))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = run_meta(argv, cfg, setup, time.time() - t0, load_before)
     extra = {"skipped": setup.skipped, "failed": failed, "startup": setup.startup,
-             "peaks_bytes": peak_dict, "roofline": roof}
+             "peaks_bytes": peak_dict, "roofline": roof, "row_roofline": row_roof}
     save_json(out / "bench.json", meta, rows, records, ids, extra)
     plots = [] if args.no_plots else save_plots(out, rows, records)
     log(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
@@ -172,6 +175,8 @@ def replay(path: Path, out: Path, plots: bool = True) -> int:
                  doc.get("failed", {}), None)
     if doc.get("roofline"):
         print(Roofline(**doc["roofline"]).text())
+    if doc.get("row_roofline"):
+        print(RowRoof(**doc["row_roofline"]).text())
     if plots:
         out.mkdir(parents=True, exist_ok=True)
         log("wrote " + ", ".join(str(p) for p in save_plots(out, rows, records)))

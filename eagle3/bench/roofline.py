@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -110,3 +111,44 @@ def measure(target, weight_bytes: int, context: int = 200, mib: int = 256,
     bound = weight_bytes / (copy_bw * 1e9)
     return Roofline(weight_bytes, copy_bw, read_bw, fwd * 1e3, context, bound * 1e3,
                     fwd / bound, fwd / (weight_bytes / (read_bw * 1e9)))
+
+
+@dataclass(frozen=True)
+class RowRoof:
+    """What one more verified row costs against the compute roof of one-digit codes: each row
+    needs every linear's in x out byte products, 64 to a vpdpbusd, at the rate this CPU retires
+    them over the threads (kernels.integer_dot_peak)."""
+    dots_g_s: float             # vpdpbusd (zmm) a second, in G, all threads
+    dots_per_row: int           # vpdpbusd a row of the forward needs
+    bound_ms: float             # dots_per_row / the rate: the least an extra row can cost
+    forward_ms: dict            # {rows: measured forward ms}, `context` tokens cached
+    extra_row_ms: float         # (forward of the most rows - forward of 1) / (rows - 1)
+
+    def text(self) -> str:
+        most = max(self.forward_ms, key=int)
+        return (f"extra verify row {self.extra_row_ms:.2f} ms measured (forward of {most} rows "
+                f"{self.forward_ms[most]:.2f} ms, of 1 row {self.forward_ms[min(self.forward_ms, key=int)]:.2f}) "
+                f"vs integer-dot bound {self.bound_ms:.2f} ms ({self.dots_per_row / 1e6:.2f} M vpdpbusd a row "
+                f"at {self.dots_g_s:.2f} G/s): {self.extra_row_ms / self.bound_ms:.2f}x the bound")
+
+
+def dots_per_row(model) -> int:
+    """vpdpbusd (64 byte products each) one row of a forward needs over every linear."""
+    return sum(-(-l.in_features * l.out_features // 64) for l in model.linears)
+
+
+def measure_rows(target, rows: int = 8, context: int = 200,
+                 clock=time.perf_counter) -> Optional[RowRoof]:
+    """The row roof of a target whose linears run one-digit codes on integer dot products (the
+    default GGUF path where the CPU has AVX512-VNNI), else None."""
+    from .. import kernels
+    linears = getattr(target, "linears", None)
+    if not linears or not any(getattr(l, "one_digit", False) for l in linears):
+        return None
+    peak = kernels.integer_dot_peak()
+    if peak is None:
+        return None
+    ms = verify_costs(target, (1, rows), context, clock=clock)
+    need = dots_per_row(target)
+    return RowRoof(peak / 1e9, need, 1e3 * need / peak, ms, (ms[rows] - ms[1]) / (rows - 1))
+

@@ -124,6 +124,14 @@ def parallel_threads() -> int:
     return 0 if st.module is None else int(st.module.parallel_threads())
 
 
+def integer_dot_peak(reps: int = 20_000_000) -> Optional[float]:
+    """vpdpbusd (zmm: 64 byte products each) this CPU retires a second over the kernels' threads,
+    or None where the kernels run no integer dot products: the compute roof of one-digit codes
+    (bench.roofline). About reps / 1.5e9 s a thread."""
+    st = state()
+    return float(st.module.integer_dot_peak(reps)) if st.module is not None and st.vnni else None
+
+
 def small_linear(dtype: torch.dtype, amx: bool = False) -> Optional[Callable]:
     """The kernel for weights of `dtype` (fp32 or bf16), or None where it cannot run here; amx: bf16
     on AMX tiles (where `amx()` says so and the input width is a multiple of AMX_WIDTH)."""

@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("slot_of_row") = py::none(), py::arg("index_of_row") = py::none(),
         py::arg("keys_of_row") = py::none());
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");
+  m.def("integer_dot_peak", &integer_dot_peak, "vpdpbusd (zmm) retired a second over the threads",
+        py::arg("reps") = 20000000);
   m.def("rope_qkv", &rope_qkv, "rotary q/k of a fused qkv block, k/v written into the cache, fp32",
         py::arg("qkv"), py::arg("cos"), py::arg("sin"), py::arg("k_buf"), py::arg("v_buf"), py::arg("start"),
         py::arg("Hq"), py::arg("Hkv"), py::arg("slot_of_row") = py::none(), py::arg("index_of_row") = py::none());

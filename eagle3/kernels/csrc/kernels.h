@@ -18,6 +18,9 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
                            int64_t out_features);
 void set_amx_int8(bool on);      // 4-bit codes of blocks of 8+ rows on AMX-INT8 tiles
 
+// linear_quant_vnni.cpp: vpdpbusd (zmm) retired a second over the parallel region's threads
+double integer_dot_peak(int64_t reps);
+
 // linear_amx.cpp: whether the tiles may run here
 bool amx_permitted();
 bool amx_int8_available();

@@ -25,6 +25,8 @@
 // largest). `--weights gguf-exact` keeps the exact path.
 #include "quant.h"
 
+#include <chrono>
+
 namespace eagle3 {
 namespace {
 
@@ -225,6 +227,49 @@ void byte_group(const QuantSeg& g, int64_t group, const uint8_t* base, const Qua
 }
 
 }  // namespace
+
+// ---- The integer-dot roofline: how many vpdpbusd (zmm, 64 byte products each) this CPU retires a
+// second over the parallel region's threads, on ten independent chains a thread (no memory).
+// A row of one-digit codes needs in x out / 64 of them, so an extra verify row cannot cost less
+// than that count over this rate (bench.roofline reports it beside the memory bound).
+
+namespace {
+
+__attribute__((target("avx512vnni"))) int32_t dot_burst(int64_t reps) {
+  __m512i a[10];
+  const __m512i u = _mm512_set1_epi8(3), s = _mm512_set1_epi8(-5);
+  for (int i = 0; i < 10; ++i) a[i] = _mm512_set1_epi32(i);
+  for (int64_t n = 0; n < reps; ++n) {
+    for (int i = 0; i < 10; ++i) a[i] = _mm512_dpbusd_epi32(a[i], u, s);
+    __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]), "+v"(a[5]),
+                     "+v"(a[6]), "+v"(a[7]), "+v"(a[8]), "+v"(a[9]));
+  }
+  __m512i t = a[0];
+  for (int i = 1; i < 10; ++i) t = _mm512_add_epi32(t, a[i]);
+  return _mm512_reduce_add_epi32(t);
+}
+
+}  // namespace
+
+double integer_dot_peak(int64_t reps) {
+  TORCH_CHECK(__builtin_cpu_supports("avx512vnni"), "integer_dot_peak needs AVX512-VNNI, which this CPU lacks");
+  TORCH_CHECK(reps > 0, "integer_dot_peak: reps must be positive, got ", reps);
+  const int64_t threads = std::max(1, at::get_num_threads());
+  std::vector<double> rate(threads, 0.0);
+  std::atomic<int32_t> sink{0};                          // the chains' sums, so they are computed
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      sink += dot_burst(reps / 10 + 1);                  // warm-up: clocks and the pipes
+      const auto start = std::chrono::steady_clock::now();
+      sink += dot_burst(reps);
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      rate[t] = 10.0 * (double)reps / s;
+    }
+  });
+  double total = 0.0;
+  for (double r : rate) total += r;
+  return total;
+}
 
 const NibbleTileFn kNibbleTilesVnni[kQuantTile] = {nibble_tile_vnni<1>, nibble_tile_vnni<2>, nibble_tile_vnni<3>,
                                                    nibble_tile_vnni<4>};
