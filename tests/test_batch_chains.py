@@ -9,6 +9,7 @@ from eagle3.generate import Engine, SamplingParams
 from eagle3.generate.batch import BatchScheduler
 from eagle3.generate.chains import ChainPlanner, ChainState, Option, check_chain, expected_tokens
 from eagle3.runtime.target import build_target
+from eagle3.speculative.monitor import AcceptanceMonitor
 
 from spec_helpers import StubTokenizer, chi_square_p, tiny_target
 
@@ -232,8 +233,9 @@ def test_draft_chains_inside_the_batch_leave_outputs_as_plain(one_thread, oracle
     truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
              for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
     draft = oracle_draft(model, DRAFT_PROMPTS[oracle_for] + truth[oracle_for])
+    monitor = AcceptanceMonitor()       # the engine's acceptance watch sees the batch's draft chains
     sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
-                           chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT)
+                           chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT, monitor=monitor)
     assert sched.capture_ids == tuple(draft.config.aux_layer_ids)
     reqs = [sched.add(p, q) for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
     chunks = drain(sched)
@@ -241,6 +243,8 @@ def test_draft_chains_inside_the_batch_leave_outputs_as_plain(one_thread, oracle
         assert [t for c in chunks[req.id] for t in c.token_ids] == want
     oracled = reqs[oracle_for].output.steps
     drafted = [s for s in oracled if s.arm == "draft"]
+    every = [s for r in reqs for s in r.output.steps if s.arm == "draft"]
+    assert monitor.steps == len(every) and monitor.accepted == sum(s.accepted for s in every)
     assert len(drafted) >= 3 and sum(s.accepted for s in drafted) >= len(truth[oracle_for]) // 3
     assert all(s.accepted_suffix == 0 for s in drafted)
     assert reqs[oracle_for].chain.draft.hits == sum(s.accepted for s in drafted)

@@ -37,7 +37,10 @@ def clock(costs: CostTable, arm, rows: int, levels: int) -> float:
 
 def test_cost_table_interpolates_and_extrapolates():
     assert TABLE.target(1) == 10.0 and TABLE.target(3) == pytest.approx(10.75)
-    assert TABLE.target(24) == pytest.approx(25.0)           # slope of the last segment
+    assert TABLE.target(24) == pytest.approx(25.0)           # slope over the upper half (8 -> 16)
+    # a last pair measured nearly flat (noise) does not make rows past the table look free
+    noisy = CostTable((1, 2, 4, 8, 12, 16), (10.0, 10.5, 11.0, 13.0, 16.0, 16.1), ())
+    assert noisy.target(24) == pytest.approx(16.1 + (16.1 - 13.0) / 8 * 8)
     assert TABLE.draft(4) == pytest.approx(1.1)
     assert CostTable.from_json(TABLE.to_json()) == TABLE
 

@@ -101,7 +101,8 @@ class BatchScheduler(Scheduler):
                  max_model_len: int = 2048, prefill_chunk: int = PREFILL_CHUNK, solo=None,
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
                  chain_costs: Optional[Callable[[float], float]] = None, draft=None,
-                 draft_costs: Optional[Callable[[float], float]] = None, chain_rows: int = 1 << 30):
+                 draft_costs: Optional[Callable[[float], float]] = None, chain_rows: int = 1 << 30,
+                 monitor=None):
         """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
         solo: an Engine with a draft on this target, for a greedy request that runs alone.
         prefix_cache_tokens: the prefix cache's budget (models.kv_cache.PrefixStore; on a
@@ -113,7 +114,9 @@ class BatchScheduler(Scheduler):
         past it the costs are extrapolated, and a prompt chunk's rows made chains look free).
         draft, draft_costs: an EAGLE-3 draft layout on this target and the ms of its forward by rows:
         with chains on, a request may also append a chain of the draft's top-1 tokens (chains.py
-        DraftChain: its own draft cache, fed the target's features from the batch's forwards)."""
+        DraftChain: its own draft cache, fed the target's features from the batch's forwards).
+        monitor: the engine's AcceptanceMonitor (speculative.monitor): it sees every draft chain
+        the batch checks, as it sees the solo engine's steps (/health, /metrics)."""
         if max_batch < 1 or prefill_chunk < 1:
             raise InputError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be "
                              ">= 1")
@@ -143,6 +146,7 @@ class BatchScheduler(Scheduler):
         self.drafts = (DraftPool(self.draft, max_model_len + DRAFT_MAX_TOKENS, max_batch)
                        if self.draft is not None else None)
         self.draft_costs = draft_costs
+        self.monitor = monitor
         self.capture_ids = tuple(draft.config.aux_layer_ids) if self.draft is not None else ()
 
     @classmethod
@@ -160,7 +164,7 @@ class BatchScheduler(Scheduler):
                    prefix_cache_tokens=prefix_cache_tokens,
                    chain_costs=costs.target if costs is not None else None,
                    draft=engine.draft if drafts else None, draft_costs=costs.draft if drafts else None,
-                   chain_rows=max(costs.rows) if costs is not None else 1 << 30)
+                   chain_rows=max(costs.rows) if costs is not None else 1 << 30, monitor=engine.monitor)
 
     def chain_mode(self) -> str:
         """What speculation inside the batch runs here, and why not where it does not."""
@@ -216,9 +220,11 @@ class BatchScheduler(Scheduler):
                 req.fed += 1 + kept
                 self._features(req, aux, blk.first_row, 1 + kept)
                 (req.chain if source == "suffix" else req.chain.draft).observe(len(chain), kept)
-                emitted.append(self._emit(req, Step(tokens, kept, verify_s=step_s, proposed=len(chain),
-                                                    accepted_suffix=kept if source == "suffix" else 0,
-                                                    arm=source)))
+                done = Step(tokens, kept, verify_s=step_s, proposed=len(chain),
+                            accepted_suffix=kept if source == "suffix" else 0, arm=source)
+                if source == "draft" and self.monitor is not None:
+                    self.monitor.observe(done)    # the draft's acceptance, as the solo engine's
+                emitted.append(self._emit(req, done))
                 continue
             req.fed += len(ids)
             self._features(req, aux, blk.first_row, len(ids))

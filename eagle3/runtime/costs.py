@@ -114,14 +114,21 @@ def _own_seconds() -> float:
 
 
 def _interpolate(xs: tuple[int, ...], ys: tuple[float, ...], x: float) -> float:
-    """Piecewise linear in rows; past the last point, extrapolated from the last two."""
+    """Piecewise linear in rows; past the last point, extrapolated along the slope over the upper
+    half of the table (from half the last point's rows): the last two points alone can be a
+    noisy pair whose slope makes extra rows look free."""
     if x <= xs[0]:
         return ys[0]
     for i in range(1, len(xs)):
-        if x <= xs[i] or i == len(xs) - 1:
+        if x <= xs[i]:
             slope = (ys[i] - ys[i - 1]) / (xs[i] - xs[i - 1])
             return ys[i - 1] + slope * (x - xs[i - 1])
-    return ys[-1]
+    if len(xs) == 1:
+        return ys[0]
+    half = max(xs[0], xs[-1] / 2)
+    mid = _interpolate(xs, ys, half) if half < xs[-1] else ys[-2]
+    span = xs[-1] - half if half < xs[-1] else xs[-1] - xs[-2]
+    return ys[-1] + (ys[-1] - mid) / span * (x - xs[-1])
 
 
 def _median_ms(fn: Callable[[], None], reps: int) -> float:
@@ -134,8 +141,15 @@ def _median_ms(fn: Callable[[], None], reps: int) -> float:
     return 1e3 * sorted(times)[len(times) // 2]
 
 
+def _context(config, rows: tuple[int, ...], context: int) -> int:
+    """The cached tokens a measurement runs over: `context`, or fewer where the model's positions
+    end before context + the largest block (a tiny test model)."""
+    return max(1, min(context, config.max_position - max(rows)))
+
+
 @torch.inference_mode()
 def target_costs(target, rows: tuple[int, ...] = ROWS, context: int = 200, reps: int = 7) -> list[float]:
+    context = _context(target.config, rows, context)
     device = target.device
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size, (1, context + max(rows)), generator=gen).to(device)
@@ -154,6 +168,7 @@ def target_costs(target, rows: tuple[int, ...] = ROWS, context: int = 200, reps:
 
 @torch.inference_mode()
 def draft_costs(draft, rows: tuple[int, ...] = ROWS, context: int = 200, reps: int = 7) -> list[float]:
+    context = _context(draft.config, rows, context)
     cfg, device = draft.config, draft.device
     gen = torch.Generator().manual_seed(1)
     cache = draft.new_cache(context + max(rows) + 1)
@@ -195,7 +210,8 @@ def cost_key(target, draft) -> str:
     parts = [platform.machine(), cpu_name(), str(torch.get_num_threads()),
              getattr(backend, "name", "reference"), str(getattr(backend, "weight_dtype", "")),
              str(getattr(backend, "row_stable", "")), getattr(target, "weights_name", ""),
-             f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}"]
+             f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}",
+             "rows:" + ",".join(map(str, ROWS))]                    # a new row set measures anew
     if getattr(backend, "kernels", None) is not None:      # a changed kernel source costs anew
         parts.append(kernel_build_id())
     if draft is not None:
