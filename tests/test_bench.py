@@ -400,8 +400,8 @@ def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):
 
 
 def test_row_roof_counts_the_integer_dots_a_row_needs(one_thread, monkeypatch):  # noqa: F811
-    """A row needs in x out / 64 vpdpbusd a linear; an extra row is priced from the forwards of 1
-    and 8 rows; a layout without one-digit codes has no row roof."""
+    """A row needs in x out / 64 vpdpbusd a linear; an extra row is priced between the two larger
+    blocks; a layout without one-digit codes has no row roof."""
     from eagle3 import kernels
     from eagle3.bench.roofline import dots_per_row, measure_rows
     shape = dict(vocab=48, hidden=32, intermediate=80, layers=3)
@@ -414,10 +414,13 @@ def test_row_roof_counts_the_integer_dots_a_row_needs(one_thread, monkeypatch): 
     for lin in target.linears:
         lin.one_digit = True
     monkeypatch.setattr(kernels, "integer_dot_peak", lambda reps=0: 2e9)
-    roof = measure_rows(target, rows=8, context=8, clock=Ticks(2e-3))
+    roof = measure_rows(target, rows=(1, 2, 4), context=8, clock=Ticks(2e-3))
     assert roof.bound_ms == pytest.approx(1e3 * dots_per_row(target) / 2e9)
-    assert roof.forward_ms == {1: pytest.approx(2.0), 8: pytest.approx(2.0)} and roof.extra_row_ms == 0.0
+    assert set(roof.forward_ms) == {1, 2, 4} and roof.extra_row_ms == pytest.approx(0.0)
     assert "integer-dot bound" in roof.text()
+    from eagle3.bench.roofline import RowRoof
+    priced = RowRoof(2.0, 1000, 0.5, {"1": 5.0, "8": 9.0, "16": 14.0}, 0.625)   # as read back from json
+    assert "16 rows = 2.80x one row" in priced.text() and "1.25x the bound" in priced.text()
 
 
 @pytest.mark.skipif(not kernels_vnni(), reason="no AVX512-VNNI kernels here")

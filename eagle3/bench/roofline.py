@@ -117,19 +117,22 @@ def measure(target, weight_bytes: int, context: int = 200, mib: int = 256,
 class RowRoof:
     """What one more verified row costs against the compute roof of one-digit codes: each row
     needs every linear's in x out byte products, 64 to a vpdpbusd, at the rate this CPU retires
-    them over the threads (kernels.integer_dot_peak)."""
+    them over the threads (kernels.integer_dot_peak). The extra row is priced between two blocks
+    that are both compute-bound (8 and 16 rows): from 1 row it would hide in the memory stall
+    of the one-row forward."""
     dots_g_s: float             # vpdpbusd (zmm) a second, in G, all threads
     dots_per_row: int           # vpdpbusd a row of the forward needs
     bound_ms: float             # dots_per_row / the rate: the least an extra row can cost
     forward_ms: dict            # {rows: measured forward ms}, `context` tokens cached
-    extra_row_ms: float         # (forward of the most rows - forward of 1) / (rows - 1)
+    extra_row_ms: float         # (forward of the most rows - of the middle block) / their rows apart
 
     def text(self) -> str:
-        most = max(self.forward_ms, key=int)
-        return (f"extra verify row {self.extra_row_ms:.2f} ms measured (forward of {most} rows "
-                f"{self.forward_ms[most]:.2f} ms, of 1 row {self.forward_ms[min(self.forward_ms, key=int)]:.2f}) "
-                f"vs integer-dot bound {self.bound_ms:.2f} ms ({self.dots_per_row / 1e6:.2f} M vpdpbusd a row "
-                f"at {self.dots_g_s:.2f} G/s): {self.extra_row_ms / self.bound_ms:.2f}x the bound")
+        ms = {int(k): v for k, v in self.forward_ms.items()}
+        blocks = ", ".join(f"{r} rows {ms[r]:.2f}" for r in sorted(ms))
+        return (f"extra verify row {self.extra_row_ms:.2f} ms measured (forwards: {blocks} ms; "
+                f"{max(ms)} rows = {ms[max(ms)] / ms[min(ms)]:.2f}x one row) vs integer-dot bound "
+                f"{self.bound_ms:.2f} ms ({self.dots_per_row / 1e6:.2f} M vpdpbusd a row at "
+                f"{self.dots_g_s:.2f} G/s): {self.extra_row_ms / self.bound_ms:.2f}x the bound")
 
 
 def dots_per_row(model) -> int:
@@ -137,10 +140,11 @@ def dots_per_row(model) -> int:
     return sum(-(-l.in_features * l.out_features // 64) for l in model.linears)
 
 
-def measure_rows(target, rows: int = 8, context: int = 200,
+def measure_rows(target, rows: tuple[int, int, int] = (1, 8, 16), context: int = 200,
                  clock=time.perf_counter) -> Optional[RowRoof]:
     """The row roof of a target whose linears run one-digit codes on integer dot products (the
-    default GGUF path where the CPU has AVX512-VNNI), else None."""
+    default GGUF path where the CPU has AVX512-VNNI), else None. rows: one row, then the two
+    compute-bound blocks the extra row is priced between."""
     from .. import kernels
     linears = getattr(target, "linears", None)
     if not linears or not any(getattr(l, "one_digit", False) for l in linears):
@@ -148,7 +152,6 @@ def measure_rows(target, rows: int = 8, context: int = 200,
     peak = kernels.integer_dot_peak()
     if peak is None:
         return None
-    ms = verify_costs(target, (1, rows), context, clock=clock)
+    ms = verify_costs(target, rows, context, clock=clock)
     need = dots_per_row(target)
-    return RowRoof(peak / 1e9, need, 1e3 * need / peak, ms, (ms[rows] - ms[1]) / (rows - 1))
-
+    return RowRoof(peak / 1e9, need, 1e3 * need / peak, ms, (ms[rows[2]] - ms[rows[1]]) / (rows[2] - rows[1]))
