@@ -211,11 +211,12 @@ def test_avx512_bf16_instructions_sit_only_in_the_attributed_functions():
 @needs
 @pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) not installed")
 def test_avx512_vnni_instructions_sit_only_in_the_attributed_function():
-    """No -mavx512vnni for the build: only the integer-dot tiles (exact digits, one digit)
-    may hold them, so a CPU with AVX-512 but without VNNI runs every other kernel."""
+    """No -mavx512vnni for the build: only the integer-dot tiles (exact digits, one digit) and
+    the integer-dot peak's burst may hold them, so a CPU with AVX-512 but without VNNI runs every
+    other kernel."""
     holders = _functions_with(Path(kernels.state().module.__file__), VNNI_OPS)
     assert holders, "linear_quant's integer dot products are gone"
-    tile = r"\b(nibble_tile_vnni<\d>|byte_tile<\d, \d, \d+>)\("
+    tile = r"\b(nibble_tile_vnni<\d>|byte_tile<\d, \d, \d+>|dot_burst)\("
     assert all(re.search(tile, f) for f in holders), sorted(holders)
     assert not any("vnni" in flag for flag in kernels.CFLAGS)
 
