@@ -62,6 +62,14 @@ class Backend:
             return self.kernels.rms_norm(x.contiguous(), weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a fused gate_up block [.., 2I] -> [.., I] (the kernels' own e^x, the
+        same in the one-call layer, where they run; torch's silu elsewhere)."""
+        if self.kernels is not None:
+            return self.kernels.silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: Optional[torch.Tensor]) -> torch.Tensor:
         """softmax(q k^T / sqrt(D)) v: q [B, H, T, D], k/v [B, Hkv, S, D] -> [B, H, T, D]."""

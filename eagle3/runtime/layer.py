@@ -7,7 +7,7 @@ by the block's rows only:
     one call   blocks <= backend.kernel_rows on `avx512`: csrc/layer.cpp decoder_layer with the layer's
                LayerWeights (the composite path's ops in its order: same bits)
     composite  everything else: norm -> qkv -> rotary + cache write -> attention -> o -> norm ->
-               gate_up -> silu * up -> down, each op through the backend
+               gate_up -> silu * up (backend.silu_mul) -> down, each op through the backend
 
 `x_in` (the attention's input when it is not norm1(h)): an EAGLE-3 midlayer attends over
 cat(norm(embedding), norm(hidden)) and adds to hidden; an EAGLE-1 layer attends over h itself.
@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 
 from ..models.kv_cache import SlotRows
 from ..models.layers import Attention, MLP, RMSNorm, apply_rotary, causal_block_mask
@@ -86,8 +85,7 @@ class FastLayer:
                                                       k_buf, v_buf, start, mask)
         x = x_in if x_in is not None else self.backend.rms_norm(h, *self.norm1)
         h = h + self.attention(x, cos, sin, k_buf, v_buf, start, mask)
-        gate, up = self.gate_up(self.backend.rms_norm(h, *self.norm2)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        return h + self.down_proj(self.backend.silu_mul(self.gate_up(self.backend.rms_norm(h, *self.norm2))))
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_buf: torch.Tensor,
                   v_buf: torch.Tensor, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -135,8 +133,7 @@ class FastLayer:
         if x_in is None:
             x_in = h if self.norm1 is None else self.backend.rms_norm(h, *self.norm1)
         h = h + self.attention_rows(x_in, cos, sin, k_buf, v_buf, rows)
-        gate, up = self.gate_up(self.backend.rms_norm(h, *self.norm2)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        return h + self.down_proj(self.backend.silu_mul(self.gate_up(self.backend.rms_norm(h, *self.norm2))))
 
     def attention_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                        k_buf: torch.Tensor, v_buf: torch.Tensor, rows: SlotRows) -> torch.Tensor:

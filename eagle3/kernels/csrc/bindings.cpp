@@ -17,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_fp32", &linear_fp32, "small-M linear: packed fp32 weight and x");
   m.def("linear_quant", &linear_quant, "small-M linear: GGUF codes packed by pack_quant, fp32 x and out");
   m.def("rms_norm", &rms_norm, "row-stable RMSNorm, fp32");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of a fused gate_up block [.., 2I] -> [.., I], fp32");
   m.def("attention", &attention, "row-stable GQA attention over a cache prefix, fp32", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("mask"), py::arg("slot_of_row") = py::none(),
         py::arg("keys_of_row") = py::none());

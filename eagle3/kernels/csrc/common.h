@@ -1,6 +1,6 @@
 // Shared definitions of the CPU kernels in this directory: the includes, the float linears' block
-// size and their output store, the argument checks every entry point runs, and eagle3's namespace.
-// It owns no kernel. kernels.h declares the entry points (what bindings.cpp and layer.cpp call),
+// size and their output store, the argument checks every entry point runs, exp_neg (the softmax's
+// and the silu's e^x), and eagle3's namespace. It owns no kernel. kernels.h declares the entry points (what bindings.cpp and layer.cpp call),
 // amx.h what the AMX file offers the others, quant.h the packed GGUF-code weight.
 //
 // Every file is built with the same flags (eagle3/kernels/__init__.py CFLAGS): AVX-512 F/BW/VL/DQ,
@@ -42,6 +42,24 @@ inline void store(float* y, __m512 a0, __m512 a1, const float* bias, int valid) 
     _mm512_mask_storeu_ps(y, valid >= 16 ? 0xFFFF : (__mmask16)((1u << valid) - 1), a0);
     if (valid > 16) _mm512_mask_storeu_ps(y + 16, (__mmask16)((1u << (valid - 16)) - 1), a1);
   }
+}
+
+// e^x for x <= 0 (Cephes expf polynomial, 2^n by scalef); lanes are independent (attention's
+// softmax, the MLP's silu)
+inline __m512 exp_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
 }
 
 // a CPU tensor of dtype dt, or an error naming the argument and what it got

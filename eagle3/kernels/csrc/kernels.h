@@ -32,6 +32,8 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
                        c10::optional<torch::Tensor> slot_of_row = c10::nullopt,
                        c10::optional<torch::Tensor> index_of_row = c10::nullopt);
 
+torch::Tensor silu_mul(torch::Tensor gu);
+
 // attention.cpp
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                         c10::optional<torch::Tensor> slot_of_row = c10::nullopt,

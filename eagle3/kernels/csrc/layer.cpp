@@ -60,13 +60,11 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
     a = attention(q, k_buf.narrow(2, 0, end), v_buf.narrow(2, 0, end), m);
   }
   auto o = linear_any(a.transpose(1, 2).reshape({B, T, Hq * D}), w.o_w, w.o_b, H, w.bf16, w.amx);
-  h = h + o.view({B, T, H});
+  h = o.view({B, T, H}).add_(h);                      // h + o, in o's own storage
   x = rms_norm(h, w.norm2, w.eps2);
   auto gu = linear_any(x, w.gate_up_w, c10::nullopt, 2 * I, w.bf16, w.amx).view({B, T, 2 * I});
-  auto parts = gu.chunk(2, -1);
-  auto act = at::silu(parts[0]) * parts[1];
-  auto d = linear_any(act, w.down_w, c10::nullopt, H, w.bf16, w.amx);
-  return h + d.view({B, T, H});
+  auto d = linear_any(silu_mul(gu), w.down_w, c10::nullopt, H, w.bf16, w.amx);
+  return d.view({B, T, H}).add_(h);                   // h + d: the same sum, no new tensor
 }
 
 }  // namespace eagle3

@@ -2,6 +2,8 @@
 //   rms_norm:  y = x / sqrt(mean(x^2) + eps) * w, per row of [N, H]
 //   rope_qkv:  the rotary embedding of a fused qkv block (HF's rotate-half), q returned, k and v
 //              written into the cache, rounded as torch's composite ops round
+//   silu_mul:  the MLP's silu(gate) * up from the fused gate_up block [N, 2I] -> [N, I], each
+//              element on its own (e^x by exp_neg: within a few ulp of torch's silu, not its bits)
 // It does not own attention (attention.cpp) nor the linears.
 #include "kernels.h"
 
@@ -115,6 +117,38 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
     }
   });
   return q;
+}
+
+// gu [.., 2I] fp32 contiguous (gate | up, as the fused gate_up linear writes them) -> [.., I]:
+// silu(g) * u = (g * sigmoid(g)) * u, sigmoid from e = e^-|g| <= 1 (1 / (1 + e) for g >= 0,
+// e / (1 + e) below), so no lane overflows
+torch::Tensor silu_mul(torch::Tensor gu) {
+  expect(gu, "gate_up", torch::kFloat32);
+  TORCH_CHECK(gu.is_contiguous() && gu.dim() >= 1 && gu.size(-1) % 2 == 0,
+              "gate_up must be contiguous [.., 2I], got ", gu.sizes());
+  const int64_t I = gu.size(-1) / 2, N = gu.numel() / (2 * I);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto y = torch::empty(sizes, gu.options());
+  const float* gp = gu.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+  at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* g = gp + r * 2 * I;
+      const float* u = g + I;
+      float* out = yp + r * I;
+      for (int64_t i = 0; i < I; i += 16) {
+        const __mmask16 m = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
+        const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+        const __m512 e = exp_neg(_mm512_or_ps(x, sign));              // e^-|x|
+        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+        const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_maskz_loadu_ps(m, u + i)));
+      }
+    }
+  });
+  return y;
 }
 
 }  // namespace eagle3
