@@ -146,6 +146,26 @@ def test_fused_rms_norm_matches_and_is_row_stable():
 
 
 @needs
+@pytest.mark.parametrize("inter", [1536, 40])          # 40: a masked tail of 8 lanes
+def test_silu_mul_matches_torch_and_is_row_stable(inter):
+    """silu(gate) * up from the fused block, within a few ulp of torch's silu for any sign and
+    size (no lane overflows at -200 or +200), and a row's bits whatever the block."""
+    silu_mul = kernels.state().module.silu_mul
+    g = torch.Generator().manual_seed(inter)
+    gu = torch.randn(9, 2 * inter, generator=g) * 6
+    gu[0, :8] = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 200.0, -200.0])
+    gate, up = gu[:, :inter], gu[:, inter:]
+    want = torch.nn.functional.silu(gate.double()) * up.double()
+    got = silu_mul(gu)
+    assert got.shape == (9, inter)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-30)
+    assert torch.equal(silu_mul(gu[5:6].contiguous()), got[5:6])
+    assert torch.equal(silu_mul(gu.view(3, 3, -1)), got.view(3, 3, -1))
+    with pytest.raises(RuntimeError, match="gate_up"):
+        silu_mul(torch.zeros(2, 7))
+
+
+@needs
 @pytest.mark.parametrize("head_dim", [64, 128, 24])
 def test_fused_attention_matches_fp64_and_rows_are_independent(head_dim):
     from eagle3.runtime.backend import row_stable_attention
