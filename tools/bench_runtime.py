@@ -3,6 +3,11 @@ runtime vs HF transformers in the same run, and plain greedy tokens/s of both.
 
     python tools/bench_runtime.py [--threads 2] [--reps 10] [--new-tokens 64] [--clock wall|cpu]
                                     [--weights gguf|fp32|bf16] [--context 200] [--model M]
+    python tools/bench_runtime.py --weights gguf --spread 3000     # ours alone, no HF
+
+--spread N times N one-token forwards of ours alone and prints their fastest, tenth percentile,
+median and ninetieth percentile: on a VM whose speed drifts, the fastest and the tenth percentile
+tell two builds apart where the median does not.
 
 --weights bf16 packs our target as load_engine(weights="bf16") does (bf16 GEMM weights, row-stable
 attention) and loads HF transformers in bf16 too.
@@ -61,6 +66,23 @@ def time_hf(hf, ctx: torch.Tensor, k: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
+def spread(model, ctx: torch.Tensor, n: int) -> dict:
+    """ms of n one-token forwards on the cached context: fastest, p10, median, p90."""
+    new = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1))
+    cache = model.new_cache(ctx.shape[1] + 8)
+    model(ctx, torch.arange(ctx.shape[1]), cache)
+    pos = torch.tensor([ctx.shape[1]])
+    times = []
+    for i in range(n + 20):
+        cache.truncate(ctx.shape[1])
+        t0 = CLOCK()
+        model(new, pos, cache)
+        if i >= 20:
+            times.append(1e3 * (CLOCK() - t0))
+    times.sort()
+    return {"min": times[0], "p10": times[n // 10], "median": times[n // 2], "p90": times[9 * n // 10]}
+
+
 def greedy_tps(engine: Engine, hf, ids: list[int], new_tokens: int) -> tuple[float, float, bool]:
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     engine.generate(prompt_ids=ids, params=SamplingParams(max_new_tokens=8))  # warm-up
@@ -89,6 +111,8 @@ def main() -> None:
                     help="gguf: the GGUF's own codes on the kernels (HF runs fp32 then)")
     ap.add_argument("--model", default=None, help="target (default: the packaged SmolLM2 GGUF)")
     ap.add_argument("--context", type=int, default=200, help="cached tokens before the timed forward")
+    ap.add_argument("--spread", type=int, default=0, metavar="N",
+                    help="time N one-token forwards of ours alone (no HF): fastest, p10, median, p90")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -97,10 +121,16 @@ def main() -> None:
     src = resolve_model(args.model)
     model, _ = build_layouts(load_model(src.hf_dir), None, args.weights, source=src)
     tok = load_tokenizer(src.hf_dir)
-    dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
-    hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=dtype).eval()
     ctx = torch.randint(0, model.config.vocab_size, (1, args.context),
                         generator=torch.Generator().manual_seed(0))
+    if args.spread:
+        with torch.inference_mode():
+            ms = spread(model, ctx, args.spread)
+        print(f"{args.spread} one-token forwards ({args.weights}, {args.context} cached, {args.threads} threads): "
+              + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
+        return
+    dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=dtype).eval()
     rows = []
     print(f"{'k':>4} {'ours ms':>9} {'HF ms':>9} {'ours/HF':>8} {'ours k/1':>9}")
     for k in KS:
