@@ -114,7 +114,8 @@ class BatchScheduler(Scheduler):
         past it the costs are extrapolated, and a prompt chunk's rows made chains look free).
         draft, draft_costs: an EAGLE-3 draft layout on this target and the ms of its forward by rows:
         with chains on, a request may also append a chain of the draft's top-1 tokens (chains.py
-        DraftChain: its own draft cache, fed the target's features from the batch's forwards).
+        DraftPool: a slot of one draft cache per request, fed the target's features from the
+        batch's forwards, every asked chain drafted together).
         monitor: the engine's AcceptanceMonitor (speculative.monitor): it sees every draft chain
         the batch checks, as it sees the solo engine's steps (/health, /metrics)."""
         if max_batch < 1 or prefill_chunk < 1:
