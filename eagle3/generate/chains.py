@@ -13,9 +13,10 @@ speculated; for a guess that is one token (a point mass) this check accepts it w
 p(token), which is what speculative sampling's min(1, p / q) gives there.
 
 Two sources: the suffix index (free to ask), and where the batch has an EAGLE-3 draft, a chain of
-the draft's top-1 tokens (`DraftChain`: each request's own draft cache, fed the target's features
-of its tokens from the batch's forwards; a catch-up forward over the waiting rows, then a draft
-forward per token). Which chains run (`ChainPlanner`): the machine's cost table (runtime.costs: ms
+the draft's top-1 tokens (`DraftChain`: each request's slot of the pool's draft cache, fed the
+target's features of its tokens from the batch's forwards; `DraftPool` drafts every asked chain
+together: one forward over their waiting rows, then one a token over the chains still going,
+each chain charged what its rows add to those forwards, `DraftSpend`). Which chains run (`ChainPlanner`): the machine's cost table (runtime.costs: ms
 of a target forward by rows, of a draft forward by rows) against each source's rolling acceptance.
 A step decoding B requests (a token each, in cost(B) ms of their rows alone) over N rows takes a
 chain of k rows when (B + E(k)) / (cost(B) + cost(N + k) - cost(N) + its draft ms) beats
