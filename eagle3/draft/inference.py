@@ -137,11 +137,6 @@ class InferenceDraft:
         feedback = rms(out[0], *self.norm) if self.config.norm_output else out[0]
         return DraftOutput(self.lm_head(rms(last, *self.norm)), feedback)
 
-    def new_slot_cache(self, max_len: int, slots: int) -> SlotCache:
-        cfg = self.config
-        return SlotCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, slots, torch.float32,
-                         self.device)
-
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         if self.pre_fc_norm is not None:
             features = self.backend.rms_norm(features, *self.pre_fc_norm)

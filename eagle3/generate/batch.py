@@ -254,7 +254,7 @@ class BatchScheduler(Scheduler):
         full; past that (a prompt, a stretch of suffix chains) the catch-up is paid once for the
         rest of the request, so it is spread over the tokens it has left (each chain charged its
         share)."""
-        step = min(d.waiting_rows, DRAFT_MAX_TOKENS + 1)
+        step = d.catch_up_now
         later = self.draft_costs(d.waiting_rows) - self.draft_costs(step) if d.waiting_rows > step else 0.0
         return lambda k: (spend.added_ms(step, k)
                           + later * min(1.0, (1 + expected_tokens(d.rate, k)) / max(room, 1)))
@@ -280,10 +280,9 @@ class BatchScheduler(Scheduler):
                 options.append(Option(r.id, "suffix", len(guess), r.chain.rate, NO_EXTRA))
             d = r.chain.draft
             if d is not None and d.rate > floor and (d.waiting or d.head is not None):
-                step = min(d.waiting_rows, DRAFT_MAX_TOKENS + 1)
                 options.append(Option(r.id, "draft", d.cap(room, DRAFT_MAX_TOKENS), d.rate,
                                       self._draft_ms(d, room, spend),
-                                      lambda k, step=step: spend.take(step, k)))
+                                      lambda k, step=d.catch_up_now: spend.take(step, k)))
         plan = self.chains.plan(options, rows, len(decoders)) if options else {}
         by_id = {r.id: r for r in decoders}
         asks = [(by_id[rid].chain.draft, k, by_id[rid].prompt_ids + by_id[rid].out_ids)

@@ -125,6 +125,12 @@ class DraftChain(Rolling):
     def waiting_rows(self) -> int:
         return sum(f.shape[0] for f in self.waiting)
 
+    @property
+    def catch_up_now(self) -> int:
+        """The waiting rows a step charges in full (a step's worth; the rest is spread over the
+        tokens the request has left: BatchScheduler._draft_ms)."""
+        return min(self.waiting_rows, DRAFT_MAX_TOKENS + 1)
+
     def wait(self, features: torch.Tensor) -> None:
         """The target's features [m, F] of the request's next m tokens."""
         self.waiting.append(features.clone())
@@ -149,10 +155,10 @@ class DraftPool:
     view, as the solo engine drafts)."""
 
     def __init__(self, draft, max_len: int, slots: int):
-        self.draft, self.max_len = draft, max_len
+        self.draft = draft
         cfg = draft.config
         self.cache = SlotCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, slots,
-                               torch.float32, getattr(draft, "device", torch.device("cpu")))
+                               torch.float32, draft.embed_tokens.weight.device)   # where the draft runs
         self.batched = hasattr(draft, "forward_rows")
 
     def open(self, offset: int) -> DraftChain:
