@@ -100,16 +100,23 @@ def _pt_layout(root: Path, num_layers: int, max_len: int, given):
 
 
 def _pt_sample(path: Path, max_len: int) -> Sample:
-    d = load_pt(path)
+    d = load_pt(path, mmap=True)            # the ids and mask only: the hidden states stay on disk
     for key in ("input_ids", "loss_mask", "hidden_states"):
         if key not in d:
             raise LoadError(f"{path}: no {key!r} (keys {sorted(d)}): not a speculators data file")
     return Sample(d["input_ids"].long()[:max_len], d["loss_mask"].bool()[:max_len])
 
 
-def load_pt(path: Path) -> dict:
+def load_pt(path: Path, mmap: bool = False) -> dict:
+    """A data_<i>.pt file's dict of tensors. mmap: map the file and read only the tensors used
+    (torch.save's zip format; a file in the legacy format is read whole)."""
     try:
-        d = torch.load(str(path), map_location="cpu", weights_only=True)
+        try:
+            d = torch.load(str(path), map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            d = torch.load(str(path), map_location="cpu", weights_only=True)
     except Exception as e:                                 # noqa: BLE001  torch.load raises many types
         raise LoadError(f"{path}: not a plain tensor file; refused by torch.load(weights_only=True) "
                         f"({type(e).__name__}: {str(e)[:200]})") from None
