@@ -60,9 +60,7 @@ def read_capture(path: str | Path, num_layers: int, layer_ids: Optional[Sequence
         with safe_open(str(path), framework="pt") as f:
             meta, names = f.metadata() or {}, set(f.keys())
             tensors = {n: f.get_tensor(n) for n in names}
-    except (OSError, Exception) as e:        # safetensors raises its own error type
-        if isinstance(e, (ContractError, LoadError)):
-            raise
+    except Exception as e:                   # noqa: BLE001  safetensors raises its own error type
         raise LoadError(f"{path}: not a readable safetensors capture ({type(e).__name__}: {e})") from None
     if meta.get("format") == ROWS_FORMAT:
         return _ours(path, meta, tensors, num_layers, layer_ids)
