@@ -219,6 +219,33 @@ def gauges(url: str) -> dict[str, float]:
             if not s.labels}
 
 
+class StepLog(list):
+    gather = 0
+
+
+def watch_steps(worker, gather: int = 0) -> StepLog:
+    """Record how many requests each scheduler step runs. With gather > 0, the next step waits
+    (up to 30 s) until that many requests are running or queued, so that concurrent requests
+    meet in one batch however the client threads are timed; set the list's `gather` attribute
+    to arm it again."""
+    import time
+    seen = StepLog()
+    seen.gather = gather
+    step = worker.scheduler.step
+
+    def watched():
+        if seen.gather:
+            deadline = time.monotonic() + 30
+            while (len(worker.scheduler.running) + worker.waiting < seen.gather
+                   and time.monotonic() < deadline):
+                time.sleep(0.002)
+            seen.gather = 0
+        seen.append(len(worker.scheduler.running))
+        return step()
+    worker.scheduler.step = watched
+    return seen
+
+
 def test_served_concurrent_requests_each_get_their_own_output(served_target, alone):
     """Six concurrent requests (chat and completions, streamed and not, greedy and seeded) on
     --max-batch 3: each answer equals the engine's output alone, and requests shared steps."""
@@ -237,9 +264,7 @@ def test_served_concurrent_requests_each_get_their_own_output(served_target, alo
     app = batched_app(served_target, max_batch=3)
     worker = app.state.server.worker
     assert isinstance(worker.scheduler, BatchScheduler)
-    running_seen = []
-    step = worker.scheduler.step
-    worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
+    running_seen = watch_steps(worker, gather=len(cases))
 
     def ask(case) -> str:
         text, stream, p = case
@@ -276,9 +301,7 @@ def test_a_speculative_server_batches_and_speculates_for_a_request_alone(served_
     app = create_app(engine, model_name="tiny", max_batch=3)
     worker = app.state.server.worker
     assert isinstance(worker.scheduler, BatchScheduler) and worker.scheduler.solo is engine
-    running_seen = []
-    step = worker.scheduler.step
-    worker.scheduler.step = lambda: (running_seen.append(len(worker.scheduler.running)), step())[1]
+    running_seen = watch_steps(worker)
     texts = [f"Tell me about {i * 13} and more." for i in range(5)]
     temps = [0.0, 0.0, 0.8, 0.0, 0.0]
     refs = [alone.generate(messages=[{"role": "user", "content": t}],
@@ -293,6 +316,7 @@ def test_a_speculative_server_batches_and_speculates_for_a_request_alone(served_
     with RunningServer(app) as s:
         first = ask(0)
         assert max(running_seen) == 1
+        running_seen.gather = 4
         with ThreadPoolExecutor(4) as pool:
             rest = list(pool.map(ask, range(1, 5)))
     answers = [r["choices"][0]["message"]["content"] for r in [first] + rest]
