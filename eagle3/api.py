@@ -92,12 +92,13 @@ def resolve_weights(weights: str, source=None, native_cpu: bool = True) -> str:
     return weights
 
 
-def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "auto", source=None):
+def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "auto", source=None,
+                  kv_cache_dtype: str = "auto"):
     """The inference layouts (runtime.target / draft.inference) of a native target and a draft,
     built once from their weights, which are left as they are; (target, draft). Targets the layout
     does not cover (the generic HF adapter) are returned as they are, and so is a model whose
     choice is "reference". `weights`/`draft_weights` as RunConfig's fields; source: the target's
-    runtime.loader.ModelSource (weights gguf/auto read it)."""
+    runtime.loader.ModelSource (weights gguf/auto read it); kv_cache_dtype as RunConfig's."""
     from .draft.inference import build_draft_layout
     from .models.llama import LlamaModel
     from .runtime.target import build_target
@@ -108,11 +109,12 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
     elif weights in GGUF_CHOICES:
         codes = gguf_codes(target, source, one_byte_inputs=weights == "gguf")
         # without the kernels the codes have nothing to run on: the fp32 layout is the same model
-        target = (build_target(target, torch.float32, row_stable=True, gguf=codes) if codes is not None
-                  else build_target(target, torch.float32))
+        target = (build_target(target, torch.float32, row_stable=True, gguf=codes, kv_cache_dtype=kv_cache_dtype)
+                  if codes is not None else build_target(target, torch.float32, kv_cache_dtype=kv_cache_dtype))
     elif isinstance(target, LlamaModel):
         # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
-        target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32")
+        target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32",
+                              kv_cache_dtype=kv_cache_dtype)
     if draft is not None and draft_weights != REFERENCE:
         choice = resolve_draft_weights(draft_weights, draft) if draft.device.type == "cpu" else "fp32"
         dtype = draft_weight_dtype("auto") if choice == "q4" else WEIGHT_DTYPES[choice]  # q4: past its rows
@@ -210,7 +212,7 @@ def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", s
     if config.packed_target or (config.packed_draft and drafter is not None):
         from .runtime.loader import resolve_model
         target, drafter = build_layouts(target, drafter, config.weights, config.draft_weights,
-                                        resolve_model(model))
+                                        resolve_model(model), config.kv_cache_dtype)
     policy = None
     if spec is None and adaptive and (drafter is not None or draft in ("default", SUFFIX_ONLY_DRAFT)):
         # a target no draft is shipped for still speculates: suffix-only blocks (draft=None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import DRAFT_WEIGHT_CHOICES, WEIGHT_CHOICES, RunConfig
+from .config import DRAFT_WEIGHT_CHOICES, KV_CACHE_CHOICES, WEIGHT_CHOICES, RunConfig
 
 
 def add_spec_args(p: argparse.ArgumentParser) -> None:
@@ -50,6 +50,10 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "on the kernels' integer dot products: ~2x faster draft forwards), bf16, fp32; "
                         "auto: q4 where it runs, else bf16 where oneDNN supports it, else fp32. The "
                         "draft only proposes, so the output is the same either way")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES, default="auto",
+                   help="the target's KV cache: fp16 (half the bytes attention reads; llama.cpp's "
+                        "default), fp32; auto (default): fp16 where the GGUF codes meet one-byte "
+                        "inputs (--weights gguf), else fp32. Lossless either way")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda if available)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads (default: the cores this process may use; bench: for every system)")
@@ -57,8 +61,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     """The run's configuration: the flags of add_run_args, and the environment's switches."""
-    return RunConfig(weights=args.weights, draft_weights=args.draft_weights, device=args.device,
-                     threads=args.threads)
+    return RunConfig(weights=args.weights, draft_weights=args.draft_weights,
+                     kv_cache_dtype=args.kv_cache_dtype, device=args.device, threads=args.threads)
 
 
 SHAPE_FLAGS = ("top_k", "depth", "num_draft_tokens", "min_prob", "suffix_tokens")

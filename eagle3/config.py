@@ -23,6 +23,8 @@ WEIGHT_CHOICES = ("auto", "gguf", "gguf-exact", "fp32", "bf16")
 GGUF_CHOICES = ("gguf", "gguf-exact")
 # the draft's (--draft-weights)
 DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
+# the target's KV cache elements (--kv-cache-dtype)
+KV_CACHE_CHOICES = ("auto", "fp16", "fp32")
 REFERENCE = "reference"     # the modules as loaded (fp32), no inference layout
 
 # backend switch field -> the environment variable that gives its default
@@ -50,6 +52,10 @@ class RunConfig:
       weights, packed row-stable), or "reference" (the modules as loaded, no inference layout).
     draft_weights: the draft's. "auto" (q4 where the kernels run integer dot products, else bf16
       where oneDNN has bf16 kernels, else fp32), "q4", "bf16", "fp32", or "reference".
+    kv_cache_dtype: the target's KV cache. "auto" (fp16 where the GGUF codes meet one-byte inputs
+      on the kernels, as llama.cpp caches beside its 8-bit activations; else fp32), "fp16" (half
+      the bytes attention reads, keys and values rounded once when written), "fp32" (full
+      precision). Speculation stays lossless either way: verify and decode read the same cache.
     device: "cpu", "cuda", ... (None: cuda where available, else cpu).
     threads: torch's thread count for the run (None: leave torch's default, the cores this process
       may use).
@@ -61,6 +67,7 @@ class RunConfig:
     """
     weights: str = "auto"
     draft_weights: str = "auto"
+    kv_cache_dtype: str = "auto"
     device: Optional[str] = None
     threads: Optional[int] = None
     kernels: bool = _from_env("EAGLE3_KERNELS")
@@ -76,6 +83,13 @@ class RunConfig:
         if self.draft_weights not in DRAFT_WEIGHT_CHOICES + (REFERENCE,):
             raise InputError(f"draft_weights={self.draft_weights!r}: choose one of "
                              f"{', '.join(DRAFT_WEIGHT_CHOICES + (REFERENCE,))}")
+        if self.kv_cache_dtype not in KV_CACHE_CHOICES:
+            raise InputError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of "
+                             f"{', '.join(KV_CACHE_CHOICES)}")
+        if self.kv_cache_dtype != "auto" and self.weights == REFERENCE:
+            raise InputError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs an inference layout; "
+                             "weights='reference' runs the modules as loaded (fp32 cache): "
+                             "leave kv_cache_dtype 'auto' or choose other weights")
         if self.threads is not None and self.threads < 1:
             raise InputError(f"threads={self.threads}: at least 1 (None: torch's default)")
 

@@ -71,12 +71,20 @@ LAYOUTS = {  # name -> (weight dtype, row-stable, backend switches, bit for bit)
     "bf16-row-stable": (torch.bfloat16, True, {}, True),
     "bf16-row-stable-torch-rope": (torch.bfloat16, True, {"fused_rope": False}, True),
     "bf16-row-stable-op-by-op": (torch.bfloat16, True, {"one_call_layers": False}, True),
+    "bf16-row-stable-fp16-cache": (torch.bfloat16, True, {"kv_cache_dtype": "fp16"}, True),
+    "bf16-row-stable-fp16-cache-op-by-op": (torch.bfloat16, True, {"kv_cache_dtype": "fp16",
+                                                                    "one_call_layers": False}, True),
 }
 
 
 def layout(model, name):
     dtype, stable, switches, _ = LAYOUTS[name]
-    return build_target(model, backend=replace(choose_backend("cpu", dtype, stable), **switches))
+    switches = dict(switches)
+    kv = switches.pop("kv_cache_dtype", "auto")
+    target = build_target(model, backend=replace(choose_backend("cpu", dtype, stable), **switches),
+                          kv_cache_dtype=kv)
+    assert kv == "auto" or target.new_cache(1).k.dtype == {"fp16": torch.float16}[kv]
+    return target
 
 
 def alone_logits(target, tokens: list[int], prompt: int) -> dict[int, torch.Tensor]:
@@ -191,6 +199,8 @@ def test_batched_rows_equal_alone_on_gguf_codes(one_thread):
     model, codes = gguf_tiny_target("Q4_1")
     target = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes)
     assert all(l.quant_types for l in target.linears)
+    # one-byte inputs (on AVX512-VNNI) bring the fp16 cache; exact inputs keep fp32
+    assert target.kv_dtype == (torch.float16 if any(l.one_digit for l in target.linears) else torch.float32)
     check_batched_equals_alone(target, bit_for_bit=True)
 
 

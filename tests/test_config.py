@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from eagle3.config import REFERENCE, RunConfig, use
 from eagle3.errors import InputError
@@ -20,6 +21,10 @@ def test_frozen_and_checked():
         RunConfig(draft_weights="gguf")
     with pytest.raises(InputError, match="threads=0"):
         RunConfig(threads=0)
+    with pytest.raises(InputError, match="kv_cache_dtype='int8'"):
+        RunConfig(kv_cache_dtype="int8")
+    with pytest.raises(InputError, match="kv_cache_dtype='fp16' needs an inference layout"):
+        RunConfig(weights=REFERENCE, kv_cache_dtype="fp16")
 
 
 def test_the_defaults_are_todays(monkeypatch):
@@ -45,9 +50,10 @@ def test_the_command_line_builds_it_in_one_place(monkeypatch):
     from eagle3.cli_args import run_config_from_args
     monkeypatch.setenv("EAGLE3_AMX", "0")
     args = build_parser().parse_args(["generate", "hi", "--weights", "bf16", "--draft-weights", "q4",
-                                      "--threads", "3", "--device", "cpu"])
+                                      "--threads", "3", "--device", "cpu", "--kv-cache-dtype", "fp16"])
     cfg = run_config_from_args(args)
     assert (cfg.weights, cfg.draft_weights, cfg.threads, cfg.device, cfg.amx) == ("bf16", "q4", 3, "cpu", False)
+    assert cfg.kv_cache_dtype == "fp16"
     defaults = run_config_from_args(build_parser().parse_args(["generate", "hi"]))
     assert dataclasses.replace(defaults, amx=True) == dataclasses.replace(RunConfig(), amx=True)
 
@@ -77,6 +83,9 @@ def test_load_engine_runs_the_config(monkeypatch):
     reference = api.load_engine("m", draft="suffix", config=RunConfig(weights=REFERENCE, remeasure=True))
     packed = api.load_engine("m", draft="none", config=RunConfig(weights="fp32"))
     assert type(reference.target).__name__ == "LlamaModel" and type(packed.target).__name__ != "LlamaModel"
+    assert packed.target.kv_dtype == packed.target.backend.kv_dtype     # fp32 weights: a full cache
+    half = api.load_engine("m", draft="none", config=RunConfig(weights="fp32", kv_cache_dtype="fp16"))
+    assert half.target.kv_dtype == torch.float16 and half.cache.k.dtype == torch.float16
     assert asked == [True]
 
 

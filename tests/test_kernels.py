@@ -237,6 +237,54 @@ def test_rows_of_several_sequences_in_one_pass_give_each_row_its_bits_alone():
         assert torch.equal(alone, out[:, :, t:t + 1]), t
 
 
+@needs
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_an_fp16_cache_reads_as_its_fp32_widening_bit_for_bit(head_dim):
+    """Attention over fp16 keys and values equals attention over the same values widened to fp32
+    (the widening is exact): lone rows, a block's rows sharing a pass, rows of several slots."""
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(head_dim)
+    k16 = (torch.randn(3, 3, 70, head_dim, generator=g) * 4).half()
+    v16 = torch.randn(3, 3, 70, head_dim, generator=g).half()
+    k32, v32 = k16.float(), v16.float()
+    q = torch.randn(3, 9, 6, head_dim, generator=g) * 2
+    mask = torch.rand(3, 1, 6, 61, generator=g) > 0.3
+    mask[..., 0] = True
+    for m in (mask, None):
+        for t in (slice(0, 1), slice(0, 6)):
+            qt = q[:, :, t].contiguous()
+            mt = None if m is None else m[:, :, t].contiguous()
+            assert torch.equal(attn(qt, k16[:, :, :61], v16[:, :, :61], mt),
+                               attn(qt, k32[:, :, :61], v32[:, :, :61], mt))
+    built = kernels.state().module
+    slot, keys = torch.tensor([2, 2, 2, 0, 1, 1]), torch.tensor([30, 31, 32, 9, 60, 61])
+    rows_q = torch.randn(1, 9, 6, head_dim, generator=g)
+    assert torch.equal(built.attention(rows_q, k16, v16, None, slot, keys),
+                       built.attention(rows_q, k32, v32, None, slot, keys))
+    with pytest.raises(RuntimeError, match="fp32 or fp16"):
+        attn(q, k16[:, :, :61], v32[:, :, :61], mask)
+
+
+@needs
+def test_rope_qkv_rounds_into_an_fp16_cache_as_torch_does():
+    """The cache write of rope_qkv into fp16 buffers: torch's fp32 -> fp16 rounding of the fp32
+    path's values, one sequence's rows and rows of several slots alike; q stays fp32."""
+    built = kernels.state().module
+    g = torch.Generator().manual_seed(3)
+    Hq, Hkv, D, T = 9, 3, 64, 5
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g) * 30    # some values past fp16's fine steps
+    cos, sin = torch.randn(1, 1, T, D, generator=g), torch.randn(1, 1, T, D, generator=g)
+    k16, v16 = torch.zeros(2, Hkv, 12, D, dtype=torch.float16), torch.zeros(2, Hkv, 12, D, dtype=torch.float16)
+    k32, v32 = torch.zeros(2, Hkv, 12, D), torch.zeros(2, Hkv, 12, D)
+    q16 = built.rope_qkv(qkv, cos, sin, k16[:1], v16[:1], 3, Hq, Hkv, None, None)
+    q32 = built.rope_qkv(qkv, cos, sin, k32[:1], v32[:1], 3, Hq, Hkv, None, None)
+    slot, index = torch.tensor([1, 1, 0, 1, 0]), torch.tensor([7, 8, 0, 9, 1])
+    built.rope_qkv(qkv, cos, sin, k16, v16, 0, Hq, Hkv, slot, index)
+    built.rope_qkv(qkv, cos, sin, k32, v32, 0, Hq, Hkv, slot, index)
+    assert torch.equal(q16, q32) and q16.dtype == torch.float32
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half()) and k16.abs().sum() > 0
+
+
 @contextlib.contextmanager
 def one_thread_count(n):
     before = torch.get_num_threads()
@@ -302,12 +350,12 @@ def _packed_family(tmp_path, family, weights, **switches):
 
     from eagle3.runtime.target import build_target
     from eagle3.testing import FAMILIES, hf_model_from_dict, native_from_hf
-    if weights == "bf16" and kernels.small_linear(torch.bfloat16) is None:
+    if weights.startswith("bf16") and kernels.small_linear(torch.bfloat16) is None:
         pytest.skip(f"bf16 kernel not available here: {kernels.why()}")
     model = native_from_hf(hf_model_from_dict(FAMILIES[family]), tmp_path)
-    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
-    backend = replace(choose_backend("cpu", dtype, row_stable=weights == "bf16"), **switches)
-    return build_target(model, backend=backend)
+    dtype = torch.bfloat16 if weights.startswith("bf16") else torch.float32
+    backend = replace(choose_backend("cpu", dtype, row_stable=weights.startswith("bf16")), **switches)
+    return build_target(model, backend=backend, kv_cache_dtype="fp16" if weights.endswith("kv16") else "auto")
 
 
 def _prefill_decode_verify(model, prompt, block, tree, capture_ids, seed):
@@ -328,7 +376,7 @@ def _prefill_decode_verify(model, prompt, block, tree, capture_ids, seed):
 
 @needs
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied"])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16-kv16"])
 def test_fused_rope_equals_the_composite_path_bit_for_bit(tmp_path, family, weights):
     """rope_qkv (split + rotary + cache write in one call) rounds exactly as the torch ops do."""
     model = _packed_family(tmp_path, family, weights)
@@ -364,7 +412,7 @@ def test_kernels_run_on_every_torch_thread():
 
 @needs
 @pytest.mark.parametrize("family", ["llama3", "qwen2", "smollm_tied", "qwen3"])
-@pytest.mark.parametrize("weights", ["fp32", "bf16"])
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "bf16-kv16"])
 def test_one_call_layer_equals_the_modules_bit_for_bit(tmp_path, family, weights, monkeypatch):
     """FastLayer's one call (csrc/layer.cpp decoder_layer) runs the composite path's ops in their
     order."""
@@ -470,7 +518,7 @@ def test_fused_attention_gives_zeros_for_a_row_that_may_attend_to_nothing():
 def test_kernels_name_a_wrong_device_or_dtype():
     _, attn = kernels.fused_ops()
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 16)
-    with pytest.raises(RuntimeError, match="k must be Float, got Double"):
+    with pytest.raises(RuntimeError, match="the kv cache must be fp32 or fp16 .keys and values alike., got keys Double"):
         attn(q, k.double(), k, None)
     with pytest.raises(RuntimeError, match="not a multiple of kv heads 0"):
         attn(q, k[:, :0], k[:, :0], None)

@@ -286,8 +286,12 @@ def test_a_target_on_one_byte_inputs_gives_the_rounded_input_models_logits(type_
     """`--weights gguf`: every linear of the layout meets its inputs rounded to one byte per block;
     its logits are the fp64 model with those roundings, far closer to it than to the exact one."""
     model, codes = gguf_tiny_target(type_name)
-    layout = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs())
+    # an fp32 cache: the linears' numerics alone (the default fp16 cache rounds k and v besides)
+    layout = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs(),
+                          kv_cache_dtype="fp32")
     assert all(l.one_digit for l in layout.linears) and layout.weights_name.endswith(", int8 inputs")
+    assert build_target(copy.deepcopy(model), torch.float32, row_stable=True,
+                        gguf=codes.with_int8_inputs()).kv_dtype == torch.float16
     ids, pos = torch.randint(0, 64, (1, 12)), torch.arange(12)[None]
     got = layout(ids, pos, layout.new_cache(32)).logits.double()
     rounded = (got - exact_logits(model, ids, pos, byte_inputs=True)).abs()

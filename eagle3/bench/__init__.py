@@ -192,7 +192,8 @@ def run_meta(argv: list[str], cfg: BenchConfig, setup, elapsed_s: float, load_be
 
 
 def layouts(systems) -> dict:
-    """What our target's and draft's linears ran ("gguf:Q4_1+Q8_0, int8 dot", "q4", ...)."""
+    """What our target's and draft's linears ran ("gguf:Q4_1+Q8_0, int8 dot", "q4", ...) and the target's
+    KV cache elements."""
     out = {}
     for system in systems:
         engine = getattr(system, "engine", None)
@@ -200,6 +201,9 @@ def layouts(systems) -> dict:
             name = getattr(getattr(engine, role, None), "weights_name", None)
             if name is not None:
                 out.setdefault(role, name)
+        kv = getattr(getattr(engine, "target", None), "kv_dtype", None)
+        if kv is not None:
+            out.setdefault("target_kv_cache", str(kv).removeprefix("torch."))
     return out
 
 

@@ -77,6 +77,8 @@ class Backend:
             return self.kernels.attention(q.contiguous(), k, v, None if mask is None else mask.contiguous())
         if self.row_stable:
             return row_stable_attention(q, k, v, mask)
+        if k.dtype != q.dtype:         # an fp16 cache: SDPA takes one dtype
+            k, v = k.to(q.dtype), v.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
     def prepare_mask(self, mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

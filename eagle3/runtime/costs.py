@@ -210,6 +210,7 @@ def cost_key(target, draft) -> str:
     parts = [platform.machine(), cpu_name(), str(torch.get_num_threads()),
              getattr(backend, "name", "reference"), str(getattr(backend, "weight_dtype", "")),
              str(getattr(backend, "row_stable", "")), getattr(target, "weights_name", ""),
+             f"kv:{getattr(target, 'kv_dtype', '')}",
              f"{cfg.architecture}:{cfg.num_layers}x{cfg.hidden_size}:{cfg.vocab_size}",
              "rows:" + ",".join(map(str, ROWS))]                    # a new row set measures anew
     if getattr(backend, "kernels", None) is not None:      # a changed kernel source costs anew

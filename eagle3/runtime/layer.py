@@ -23,6 +23,8 @@ from ..models.layers import Attention, MLP, RMSNorm, apply_rotary, causal_block_
 from .backend import Backend
 from .linear import PackedLinear, fused_linear
 
+KERNEL_KV = (torch.float32, torch.float16)   # the cache elements the kernels read and write
+
 
 class Norm(NamedTuple):
     weight: torch.Tensor
@@ -91,7 +93,7 @@ class FastLayer:
                   v_buf: torch.Tensor, start: int, mask: Optional[torch.Tensor]) -> torch.Tensor:
         bsz, seq, _ = x.shape
         b = self.backend
-        if b.kernels is not None and b.fused_rope and self.q_norm is None and k_buf.dtype == torch.float32:
+        if b.kernels is not None and b.fused_rope and self.q_norm is None and k_buf.dtype in KERNEL_KV:
             # split, rotary, cache write and the q layout in one call, same bits as _rotate_and_cache
             q = b.kernels.rope_qkv(self.qkv(x).view(bsz * seq, -1), cos, sin, k_buf, v_buf, start,
                                    self.num_heads, self.num_kv_heads)
@@ -127,7 +129,7 @@ class FastLayer:
         __call__ (an EAGLE-3 midlayer's attention input), on the composite path."""
         # h [1, N, H]; cos, sin [1, 1, N, D]; k_buf, v_buf [slots, Hkv, S, D]
         if (x_in is None and self.one_call is not None and self.norm1 is not None
-                and h.shape[1] <= self.backend.kernel_rows and k_buf.dtype == torch.float32):
+                and h.shape[1] <= self.backend.kernel_rows and k_buf.dtype in KERNEL_KV):
             return self.backend.kernels.decoder_layer(h.contiguous(), None, self.one_call, cos, sin, k_buf,
                                                       v_buf, 0, None, rows.slot, rows.index, rows.keys)
         if x_in is None:
@@ -139,7 +141,7 @@ class FastLayer:
                        k_buf: torch.Tensor, v_buf: torch.Tensor, rows: SlotRows) -> torch.Tensor:
         n = x.shape[1]
         b = self.backend
-        fused = b.kernels is not None and k_buf.dtype == torch.float32
+        fused = b.kernels is not None and k_buf.dtype in KERNEL_KV
         if fused and b.fused_rope and self.q_norm is None:
             q = b.kernels.rope_qkv(self.qkv(x).view(n, -1), cos, sin, k_buf, v_buf, 0, self.num_heads,
                                    self.num_kv_heads, rows.slot, rows.index)

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..errors import InputError
 from ..models.config import ModelConfig, check_capture_ids
 from ..models.kv_cache import KVCache, SlotCache, SlotRows
 from ..models.layers import causal_block_mask
@@ -22,7 +23,8 @@ from .quant import GgufWeights, check_codes
 
 
 class InferenceTarget:
-    def __init__(self, model: LlamaModel, backend: Backend, gguf: Optional[GgufWeights] = None):
+    def __init__(self, model: LlamaModel, backend: Backend, gguf: Optional[GgufWeights] = None,
+                 kv_cache_dtype: str = "auto"):
         self.config: ModelConfig = model.config
         self.backend = backend
         codes = gguf.codes if gguf is not None and backend.kernels is not None else {}
@@ -36,6 +38,7 @@ class InferenceTarget:
         self.norm = norm_of(model.norm)
         head = codes.get("lm_head.weight")
         self.lm_head = PackedLinear(model.lm_head.weight, None, backend, [head] if head is not None else None)
+        self.kv_dtype = kv_dtype_for(kv_cache_dtype, backend, self.linears)
 
     @property
     def device(self) -> torch.device:
@@ -60,12 +63,12 @@ class InferenceTarget:
     def new_cache(self, max_len: int, batch: int = 1) -> KVCache:
         cfg = self.config
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, batch,
-                       self.backend.kv_dtype, self.device)
+                       self.kv_dtype, self.device)
 
     def new_slot_cache(self, max_len: int, slots: int) -> SlotCache:
         cfg = self.config
         return SlotCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, max_len, slots,
-                         self.backend.kv_dtype, self.device)
+                         self.kv_dtype, self.device)
 
     def check_capture_ids(self, capture_ids: Sequence[int]) -> None:
         check_capture_ids(capture_ids, self.config.num_layers, self.config.default_aux_layer_ids)
@@ -174,16 +177,32 @@ class InferenceTarget:
 
 def build_target(model: LlamaModel, weight_dtype: torch.dtype = torch.float32,
                  row_stable: bool = False, backend: Optional[Backend] = None,
-                 gguf: Optional[GgufWeights] = None) -> InferenceTarget:
+                 gguf: Optional[GgufWeights] = None, kv_cache_dtype: str = "auto") -> InferenceTarget:
     """The inference layout of `model` (which is left as it is). weight_dtype=bf16 stores the GEMM
     weights in bf16 (activations stay fp32); row_stable=True makes every op compute a row in one
     fixed order whatever the block, so verify == one-token decode bit for bit (runtime.backend).
     gguf: the integer codes of the file the model was dequantised from (runtime.quant), checked
-    against the model's weights; the kernels then run them (fp32 weights serve without kernels)."""
+    against the model's weights; the kernels then run them (fp32 weights serve without kernels).
+    kv_cache_dtype: "auto", "fp16" or "fp32" (kv_dtype_for)."""
     device = model.embed_tokens.weight.device
     if gguf is not None:
         check_codes(gguf, dict(model.named_parameters(remove_duplicate=False)))
-    return InferenceTarget(model, backend or choose_backend(device, weight_dtype, row_stable), gguf)
+    return InferenceTarget(model, backend or choose_backend(device, weight_dtype, row_stable), gguf,
+                           kv_cache_dtype)
+
+
+def kv_dtype_for(choice: str, backend: Backend, linears: Sequence[PackedLinear]) -> torch.dtype:
+    """The KV cache's elements. "auto": fp16 where the linears meet inputs rounded to one byte on
+    the kernels (the GGUF fast path; llama.cpp's default cache type beside its 8-bit activations:
+    half the bytes attention reads), else the backend's. "fp32": the backend's (fp32, or fp64 where
+    the row-stable fallback attends in fp64). "fp16": fp16 (the kernels read it widened to fp32;
+    without them torch widens it)."""
+    if choice == "fp16" or (choice == "auto" and backend.kernels is not None
+                            and any(l.one_digit for l in linears)):
+        return torch.float16
+    if choice not in ("auto", "fp32"):
+        raise InputError(f"kv_cache_dtype={choice!r}: choose auto, fp16 or fp32")
+    return backend.kv_dtype
 
 
 def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:

@@ -1,5 +1,7 @@
 // attention: row-stable fp32 GQA attention over a cache prefix, softmax(q k^T / sqrt(D) + mask) v
 // per query row, over one sequence's cache or over the rows of several sequences' cache slots.
+// The cache holds fp32 or fp16 keys and values (fp16: widened to fp32 as they are loaded, which is
+// exact, so the arithmetic after the load is the fp32 path's).
 // A kv head's query heads share its keys and values in one pass; a run of query rows of one
 // sequence shares one pass over the keys (a zmm lane per row and head), each row adding exactly as
 // it does alone, so a row's bits never depend on the call's other rows (a tree node's, decoded in a
@@ -9,6 +11,18 @@
 
 namespace eagle3 {
 namespace {
+
+// 16 cache elements as fp32 (fp16 widens exactly); the masked form zeroes the lanes off the mask
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 maskz_load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 maskz_load16(__mmask16 m, const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+inline float widen(float x) { return x; }
+inline float widen(at::Half x) { return static_cast<float>(x); }
 
 // lane k = the sum of p[k]'s lanes, added in _mm512_reduce_add_ps's order (lane e with e+8, then
 // e+4, then e+2 paired as (0,2) and (1,3), then the two): sixteen reductions for the price of ~3
@@ -34,9 +48,10 @@ inline __m512 reduce16(const __m512* p) {
 // is its own chain of FMAs over q's chunks in order (the same additions for any n); the chains of
 // the 16 keys are interleaved so the FMA latency is hidden and every q chunk is loaded once (keys
 // past n re-read key n - 1, so the loop has no branch, and their lanes are zeroed).
-inline __m512 dots16(const float* q, const float* k0, int64_t ldk, int64_t n, int64_t D) {
+template <typename T>
+inline __m512 dots16(const float* q, const T* k0, int64_t ldk, int64_t n, int64_t D) {
   __m512 p[16];
-  const float* kr[16];
+  const T* kr[16];
   for (int key = 0; key < 16; ++key) {
     p[key] = _mm512_setzero_ps();
     kr[key] = k0 + std::min<int64_t>(key, n - 1) * ldk;
@@ -44,34 +59,36 @@ inline __m512 dots16(const float* q, const float* k0, int64_t ldk, int64_t n, in
   const int64_t full = D / 16 * 16;
   for (int64_t i = 0; i < full; i += 16) {
     const __m512 qv = _mm512_loadu_ps(q + i);
-    for (int key = 0; key < 16; ++key) p[key] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(kr[key] + i), p[key]);
+    for (int key = 0; key < 16; ++key) p[key] = _mm512_fmadd_ps(qv, load16(kr[key] + i), p[key]);
   }
   if (full < D) {
     const __mmask16 tm = (__mmask16)((1u << (D - full)) - 1);
     const __m512 qv = _mm512_maskz_loadu_ps(tm, q + full);
     for (int key = 0; key < 16; ++key)
-      p[key] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(tm, kr[key] + full), p[key]);
+      p[key] = _mm512_fmadd_ps(qv, maskz_load16(tm, kr[key] + full), p[key]);
   }
   return _mm512_maskz_mov_ps(n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1), reduce16(p));
 }
 
-// software prefetch into L2 of rows [0, n) of a [*, ld] fp32 matrix, D floats each (n <= 0: nothing)
-inline void prefetch_rows(const float* p, int64_t ld, int64_t n, int64_t D) {
+// software prefetch into L2 of rows [0, n) of a [*, ld] matrix, D elements each (n <= 0: nothing)
+template <typename T>
+inline void prefetch_rows(const T* p, int64_t ld, int64_t n, int64_t D) {
+  const int64_t bytes = D * (int64_t)sizeof(T);
   for (int64_t r = 0; r < n; ++r)
-    for (int64_t d = 0; d < D; d += 16) _mm_prefetch(reinterpret_cast<const char*>(p + r * ld + d), _MM_HINT_T1);
+    for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(p + r * ld) + b, _MM_HINT_T1);
 }
 
 // out_i[0..16*ND) = inv_i * sum_j p_i[j * ps] * v[j] for G rows sharing v, j in order for each
 // row (the same additions as one row alone: rows only share the loads of v)
-template <int ND, int G>
-inline void weighted_sums(const float* const* p, int64_t ps, const float* v, int64_t ldv, int64_t S,
+template <int ND, int G, typename T>
+inline void weighted_sums(const float* const* p, int64_t ps, const T* v, int64_t ldv, int64_t S,
                           const float* inv, float* const* out) {
   __m512 a[G][ND];
   for (int i = 0; i < G; ++i)
     for (int d = 0; d < ND; ++d) a[i][d] = _mm512_setzero_ps();
   for (int64_t j = 0; j < S; ++j) {
     __m512 vj[ND];
-    for (int d = 0; d < ND; ++d) vj[d] = _mm512_loadu_ps(v + j * ldv + 16 * d);
+    for (int d = 0; d < ND; ++d) vj[d] = load16(v + j * ldv + 16 * d);
     for (int i = 0; i < G; ++i) {
       const __m512 pj = _mm512_set1_ps(p[i][j * ps]);
       for (int d = 0; d < ND; ++d) a[i][d] = _mm512_fmadd_ps(pj, vj[d], a[i][d]);
@@ -83,8 +100,8 @@ inline void weighted_sums(const float* const* p, int64_t ps, const float* v, int
   }
 }
 
-template <int ND>
-void weighted_sums_rows(const float* const* p, int64_t ps, const float* v, int64_t ldv, int64_t S,
+template <int ND, typename T>
+void weighted_sums_rows(const float* const* p, int64_t ps, const T* v, int64_t ldv, int64_t S,
                         const float* inv, float* const* out, int64_t rows) {
   // up to G rows at a time (G * ND accumulators stay in the 32 zmm registers; more rows, more
   // independent FMA chains): a GQA group of 3 query heads is one pass of 3, not three of 1
@@ -158,9 +175,9 @@ inline void lane_dots2(const float* qt, const float* k0, const float* k1, __m512
 // one-row path's arithmetic (its dot products, max, exponentials, a sum over the keys in order,
 // weighted sums in order; keys a row does not see add exact zeros), so a row's bits do not depend
 // on the rows it shares the pass with. qt: 16 D floats, sc: 16 S floats of scratch.
-template <int ND>
+template <int ND, typename T>
 void attention_lanes(const float* const* q, float* const* out, int64_t rows, int64_t group,
-                     const float* kb, int64_t ldk, const float* vb, int64_t ldv, int64_t S,
+                     const T* kb, int64_t ldk, const T* vb, int64_t ldv, int64_t S,
                      const bool* const* mask, const int64_t* keys, float scale, float* qt, float* sc) {
   constexpr int64_t D = 16 * ND;
   const int64_t lanes = rows * group;
@@ -183,11 +200,21 @@ void attention_lanes(const float* const* q, float* const* out, int64_t rows, int
   };
   const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
   __m512 mx = ninf;
+  alignas(64) float wide[2][D];      // fp16 keys: the pair widened (exact) for the scalar reads
   for (int64_t s = 0; s < S; s += 2) {
-    const float* k0 = kb + s * ldk;
+    const T* k0 = kb + s * ldk;
     const bool pair = s + 1 < S;
+    const T* k1 = pair ? k0 + ldk : k0;
     __m512 d0, d1;
-    lane_dots2<ND>(qt, k0, pair ? k0 + ldk : k0, d0, d1);
+    if constexpr (std::is_same_v<T, float>) {
+      lane_dots2<ND>(qt, k0, k1, d0, d1);
+    } else {
+      for (int c = 0; c < ND; ++c) {
+        _mm512_store_ps(wide[0] + 16 * c, load16(k0 + 16 * c));
+        _mm512_store_ps(wide[1] + 16 * c, load16(k1 + 16 * c));
+      }
+      lane_dots2<ND>(qt, wide[0], wide[1], d0, d1);
+    }
     const __m512 x0 = _mm512_mask_mov_ps(ninf, live(s), _mm512_mul_ps(d0, vscale));
     _mm512_storeu_ps(sc + 16 * s, x0);
     mx = _mm512_max_ps(mx, x0);
@@ -230,8 +257,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
                         c10::optional<torch::Tensor> slot_of_row,
                         c10::optional<torch::Tensor> keys_of_row) {
   expect(q, "q", torch::kFloat32);
-  expect(k, "k", torch::kFloat32);
-  expect(v, "v", torch::kFloat32);
+  expect_kv(k, v);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "q, k, v must be [B, heads, rows, D]");
   TORCH_CHECK(q.is_contiguous() && k.stride(3) == 1 && v.stride(3) == 1, "q contiguous, k/v unit stride on D");
   const int64_t B = q.size(0), Hq = q.size(1), T = q.size(2), D = q.size(3);
@@ -258,8 +284,6 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   }
   auto out = torch::empty_like(q);
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
   const int64_t ld = S_all + 16;              // one score row per head of the item
@@ -284,7 +308,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
           items.push_back({b, g, t + run * i / nb, run * (i + 1) / nb - run * i / nb});
         t += run;
       }
+  // kp, vp: the cache's fp32 or fp16 elements
+  auto run = [&](const auto* kp, const auto* vp) {
   at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t r0, int64_t r1) {
+    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
     std::vector<float> sc(group * ld), mx(group), sum(group), inv(group), acc(D);
     std::vector<const float*> qrow(group), prow(group);
     std::vector<float*> orow(group);
@@ -293,8 +320,8 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const Item& it = items[r];
       const int64_t b = it.b, g = it.g, t = it.t0;
       const int64_t kv_b = rows ? row_slot[t] : b;
-      const float* kb = kp + kv_b * k.stride(0) + g * k.stride(1);
-      const float* vb = vp + kv_b * v.stride(0) + g * v.stride(1);
+      const KV* kb = kp + kv_b * k.stride(0) + g * k.stride(1);
+      const KV* vb = vp + kv_b * v.stride(0) + g * v.stride(1);
       if (it.n > 1) {
         const int64_t n = it.n, lanes = n * group;
         std::vector<const float*> lq(lanes);
@@ -326,7 +353,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
       const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
       // the cache rows come from memory (a batch's slots far exceed the caches): the next item's
       // keys and values stream in while this one computes its scores, a share per block of keys
-      const float *nk = nullptr, *nv = nullptr;
+      const KV *nk = nullptr, *nv = nullptr;
       int64_t nS = 0;
       if (r + 1 < r1) {
         const Item& nx = items[r + 1];
@@ -399,14 +426,19 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         for (int64_t i = 0; i < group; ++i) {
           std::fill(acc.begin(), acc.end(), 0.0f);
           for (int64_t j = 0; j < S; ++j) {
-            const float* vr = vb + j * v.stride(2);
-            for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(prow[i][j], vr[d], acc[d]);
+            const KV* vr = vb + j * v.stride(2);
+            for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(prow[i][j], widen(vr[d]), acc[d]);
           }
           for (int64_t d = 0; d < D; ++d) orow[i][d] = acc[d] * inv[i];
         }
       }
     }
   });
+  };
+  if (k.scalar_type() == torch::kHalf)
+    run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
+  else
+    run(k.data_ptr<float>(), v.data_ptr<float>());
   return out;
 }
 

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <algorithm>
+#include <type_traits>
 #include <array>
 #include <atomic>
 #include <cmath>
@@ -66,6 +67,14 @@ inline __m512 exp_neg(__m512 x) {
 inline void expect(const torch::Tensor& t, const char* name, c10::ScalarType dt) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be on the CPU (eagle3 kernels), got ", t.device());
   TORCH_CHECK(t.scalar_type() == dt, name, " must be ", c10::toString(dt), ", got ", t.scalar_type());
+}
+
+// a KV cache's keys and values: CPU tensors, both fp32 or both fp16
+inline void expect_kv(const torch::Tensor& k, const torch::Tensor& v) {
+  TORCH_CHECK(k.device().is_cpu() && v.device().is_cpu(), "the kv cache must be on the CPU (eagle3 kernels)");
+  TORCH_CHECK((k.scalar_type() == torch::kFloat32 || k.scalar_type() == torch::kHalf) &&
+              v.scalar_type() == k.scalar_type(), "the kv cache must be fp32 or fp16 (keys and values "
+              "alike), got keys ", k.scalar_type(), ", values ", v.scalar_type());
 }
 
 // the data of an int64 [n] per-row index, every value checked to lie in [lo, hi]

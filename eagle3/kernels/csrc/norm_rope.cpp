@@ -58,8 +58,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   expect(qkv, "qkv", torch::kFloat32);
   expect(cos, "cos", torch::kFloat32);
   expect(sin, "sin", torch::kFloat32);
-  expect(k_buf, "k_buf", torch::kFloat32);
-  expect(v_buf, "v_buf", torch::kFloat32);
+  expect_kv(k_buf, v_buf);
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "qkv [B*T, W], cos/sin [B, 1, T, D] contiguous");
   TORCH_CHECK(cos.dim() == 4 && cos.size(1) == 1 && cos.sizes() == sin.sizes(), "cos/sin must be [B, 1, T, D]");
@@ -83,11 +82,14 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   float* qp = q.data_ptr<float>();
-  float* kp = k_buf.data_ptr<float>();
-  float* vp = v_buf.data_ptr<float>();
   const int64_t W = qkv.size(1), heads = Hq + 2 * Hkv;
   const int64_t grain = std::max<int64_t>(1, 4096 / (D * heads));
+  // kp, vp: the cache's fp32 or fp16 elements (fp16: each fp32 result rounded to nearest even, as
+  // torch's copy into an fp16 tensor rounds it)
+  auto run = [&](auto* kp, auto* vp) {
+  using KV = std::remove_pointer_t<decltype(kp)>;
   at::parallel_for(0, B * T, grain, [&](int64_t r0, int64_t r1) {
+    std::vector<float> rot(D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T, t = r % T;
       const int64_t kv_b = rows ? row_slot[t] : b, at = rows ? row_index[t] : start + t;
@@ -95,16 +97,12 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
       const float* sn = sp + r * D;
       for (int64_t h = 0; h < heads; ++h) {
         const float* x = src + r * W + h * D;
-        float* dst;
-        if (h < Hq) {
-          dst = qp + ((b * Hq + h) * T + t) * D;
-        } else if (h < Hq + Hkv) {
-          dst = kp + kv_b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + at * k_buf.stride(2);
-        } else {
-          dst = vp + kv_b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + at * v_buf.stride(2);
-          for (int64_t d = 0; d < D; ++d) dst[d] = x[d];
+        if (h >= Hq + Hkv) {
+          KV* dst = vp + kv_b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + at * v_buf.stride(2);
+          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<KV>(x[d]);
           continue;
         }
+        float* dst = h < Hq ? qp + ((b * Hq + h) * T + t) * D : rot.data();
         for (int64_t d = 0; d < half; ++d) {
           const float a = x[d] * c[d], e = -x[d + half] * sn[d];
           dst[d] = a + e;
@@ -113,9 +111,18 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
           const float a = x[d] * c[d], e = x[d - half] * sn[d];
           dst[d] = a + e;
         }
+        if (h >= Hq) {
+          KV* k = kp + kv_b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + at * k_buf.stride(2);
+          for (int64_t d = 0; d < D; ++d) k[d] = static_cast<KV>(rot[d]);
+        }
       }
     }
   });
+  };
+  if (k_buf.scalar_type() == torch::kHalf)
+    run(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
+  else
+    run(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
   return q;
 }
 
