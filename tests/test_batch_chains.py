@@ -129,6 +129,9 @@ def test_the_planner_takes_the_chain_length_that_pays_most():
     assert list(chosen) == ["a"] and chosen["a"][1] == 8                # b's guesses do not pay
     # one token per row costs 10 ms a row: a guess right 95% of the time still loses
     assert ChainPlanner(DEAR_ROWS).plan([Option("a", "suffix", 3, 0.95, free)], rows=1, decoders=1) == {}
+    # every request's chain may fit in the step, not only the longest one's rows
+    both = planner.plan([Option("a", "suffix", 4, 0.9, free), Option("b", "suffix", 4, 0.8, free)], 2, 2)
+    assert sorted(both) == ["a", "b"] and both["a"][1] + both["b"][1] > 4
     # the forward's row limit caps the chain
     assert ChainPlanner(CHEAP_ROWS, max_rows=6).plan([Option("a", "suffix", 8, 0.9, free)], 4, 4)["a"][1] == 2
     # one option per request, the better acceptance first; a draft's own ms count against it
@@ -464,3 +467,106 @@ def test_batched_draft_chains_leave_outputs_as_plain(one_thread):
         assert [t for c in chunks[req.id] for t in c.token_ids] == want
     assert calls and max(calls) >= 2
     assert sched.drafts.cache.num_free == 3                    # every request's slot came back
+
+
+# ---------------------------------------------------------------------------- trees: a chain and an alternate
+class OracleTree(ChainState):
+    """Guesses a wrong chain every other time it is asked, with the request's known plain output
+    as its alternate branch (and the right chain with a wrong alternate the other times)."""
+
+    def __init__(self, req, truth: list[int]):
+        super().__init__()
+        self.req, self.truth, self.turn = req, truth, 0
+
+    def _right(self, most: int) -> list[int]:
+        n = len(self.req.out_ids)
+        return self.truth[n:n + min(most, 3)]
+
+    def _wrong(self, most: int) -> list[int]:
+        right = self._right(most)
+        return [(right[0] + 1) % 32] + right[1:] if right else []
+
+    def guess(self, most: int) -> list[int]:      # asked first, then alternate
+        self.turn += 1
+        return self._wrong(most) if self.turn % 2 else self._right(most)
+
+    def alternate(self, most: int) -> list[int]:
+        return self._right(most) if self.turn % 2 else self._wrong(most)
+
+
+@pytest.mark.lossless
+@pytest.mark.parametrize("max_batch", [1, 4])
+def test_trees_in_a_batch_leave_sampled_outputs_as_plain(target, alone, one_thread, max_batch):
+    """Blocks of a chain and an alternate branch, right on either side by turns, for greedy and
+    seeded sampling requests together: every output is plain decoding's alone, the paths through
+    the alternate were taken and their rows kept, and the sources' acceptance counts each branch."""
+    nearly_free = lambda rows: 10.0 + 0.01 * rows     # noqa: E731  every guessed node is taken
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=max_batch, max_model_len=CTX,
+                           prefill_chunk=8, chain_costs=nearly_free)
+    reqs = []
+    for p, params in zip(PROMPTS, PARAMS):
+        req = sched.add(p, params)
+        req.chain = OracleTree(req, alone.generate(prompt_ids=p, params=params, speculative=False).token_ids)
+        reqs.append(req)
+    chunks = drain(sched)
+    for req in reqs:
+        assert [t for c in chunks[req.id] for t in c.token_ids] == req.chain.truth
+    greedy = [r for r in reqs if r.params.greedy]
+    assert all(r.chain.alt.hits >= 4 for r in greedy)           # paths through the alternate
+    assert all(r.chain.hits >= 4 for r in greedy)               # and through the chain
+    assert sum(r.chain.alt.chains for r in reqs) >= 10
+    assert sched.cache.num_free == max_batch
+
+
+def test_the_planner_adds_an_alternate_where_rows_are_cheap():
+    from eagle3.generate.chains import ranked_nodes
+    free = lambda k: 0.0                            # noqa: E731
+    nodes = ranked_nodes(0.4, 4, 0.5, 2)
+    assert nodes[0] == (0, 0.4) and [b for b, _ in nodes].count(1) == 2
+    assert nodes[1] == (1, pytest.approx(0.3))      # (1 - 0.4) * 0.5: worth more than 0.4^2
+    opt = Option("a", "suffix", len(nodes), 0.4, free, nodes=nodes)
+    assert opt.expect(2) == pytest.approx(0.7) and opt.branches(3) == (2, 1)
+    k = ChainPlanner(CHEAP_ROWS).plan([opt], rows=1, decoders=1)["a"][1]
+    assert opt.branches(k)[1] >= 1                  # cheap rows: the alternate's first token pays
+    dear = lambda rows: 10.0 + 3.0 * rows           # noqa: E731  a row costs 30% of a forward
+    sure = Option("a", "suffix", 6, 0.8, free, nodes=ranked_nodes(0.8, 4, 0.1, 2))
+    k = ChainPlanner(dear).plan([sure], rows=1, decoders=1)["a"][1]
+    assert k >= 2 and sure.branches(k) == (k, 0)    # dear rows: the chain, not its alternate
+    assert ranked_nodes(0.5, 0, 0.5, 2) == ()       # no chain, no tree
+
+
+def test_check_tree_follows_the_drawn_token_into_either_branch():
+    from eagle3.generate.chains import Guess, check_tree
+    g = Guess("suffix", [3, 4], [5, 1])
+    tokens, parents = [-1] + g.tokens, g.parents()
+    assert parents == [-1, 0, 1, 0, 3]
+    assert g.ancestors().tolist()[4] == [True, False, False, True, True]
+    logits = torch.full((5, 6), -5.0)
+    logits[0, 5] = logits[3, 1] = logits[4, 2] = 5.0    # root draws 5 (the alternate), then 1, then 2
+    out, path = check_tree(logits, tokens, parents, SamplingParams(), torch.Generator())
+    assert out == [5, 1, 2] and path == [0, 3, 4]
+    logits[0, 3], logits[0, 5] = 6.0, 0.0                 # now the chain's first token, then a miss
+    assert check_tree(logits, tokens, parents, SamplingParams(), torch.Generator()) == ([3, 0], [0, 1])
+    with pytest.raises(ValueError, match="distinct tokens"):
+        check_tree(logits[:4], [-1, 3, 4, 3], [-1, 0, 1, 0], SamplingParams(), torch.Generator())
+
+
+def test_sampled_trees_draw_what_plain_sampling_draws():
+    """A seeded tree check emits plain sampling's draws with the same seed, and the token after an
+    accepted alternate is distributed as the target says there (chi-square)."""
+    from eagle3.generate.chains import check_tree
+    from eagle3.sampling import sample_next, target_probs
+    torch.manual_seed(1)
+    logits = torch.randn(4, 10) * 1.5
+    params = SamplingParams(temperature=0.8)
+    top2 = logits[0].topk(2).indices.tolist()
+    tokens, parents = [-1, top2[0], 7, top2[1]], [-1, 0, 1, 0]     # a chain of 2, an alternate of 1
+    counts = torch.zeros(10)
+    for seed in range(3000):
+        got, path = check_tree(logits, tokens, parents, params, torch.Generator().manual_seed(seed))
+        plain_gen = torch.Generator().manual_seed(seed)
+        assert got == [int(sample_next(logits[r], params, plain_gen)) for r in path]
+        if path[1:2] == [3]:                    # through the alternate: the next draw is row 3's
+            counts[got[1]] += 1
+    assert counts.sum() > 300
+    assert chi_square_p(counts, target_probs(logits[3], params)) > 1e-3

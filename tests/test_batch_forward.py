@@ -253,3 +253,55 @@ def test_a_batch_of_several_sequences_takes_the_one_call_layer():
         outs.append(target.forward_rows(torch.tensor([7, 8]), cache.plan([(a, 1), (b, 1)]), cache))
     assert len(seen) == 4 and all(s is not None for s in seen)
     assert torch.equal(outs[0], outs[1])
+
+
+# ---------------------------------------------------------------------------- a tree block among the rows
+@pytest.mark.lossless
+@pytest.mark.parametrize("name", ["bf16-row-stable", "bf16-row-stable-op-by-op", "bf16-row-stable-fp16-cache"])
+@pytest.mark.parametrize("alone_in_forward", [False, True])
+def test_a_tree_block_gives_each_node_its_path_decoded_alone(name, alone_in_forward, one_thread):
+    """A request's last token with a chain and an alternate branch under it, verified in a batched
+    forward (beside another sequence's decode row and a prompt chunk, or alone): each node's logits
+    are those of its path decoded alone, bit for bit; after the slot keeps the alternate's path,
+    the next token decodes as alone."""
+    from eagle3.generate.chains import Guess
+    target = layout(tiny_target(layers=3), name)
+    g = torch.Generator().manual_seed(2)
+    V = target.config.vocab_size
+    a, b, c = (torch.randint(0, V, (n,), generator=g).tolist() for n in (9, 7, 5))
+    guess = Guess("suffix", [(a[-1] + 1) % V, 4], [(a[-1] + 2) % V, 6, 2])
+    cache = target.new_slot_cache(40, slots=4)
+    sa, sb, sc = cache.allocate(), cache.allocate(), cache.allocate()
+    target.forward_rows(torch.tensor(a[:8] + b[:6]), cache.plan([(sa, 8), (sb, 6)]), cache)
+    ids = [a[8]] + guess.tokens
+    blocks = [(sa, len(ids))] if alone_in_forward else [(sb, 1), (sa, len(ids)), (sc, 3)]
+    at = 0 if alone_in_forward else 1
+    rows = cache.plan(blocks, {at: guess.ancestors()})
+    first = rows.blocks[at].first_row
+    feed = ids if alone_in_forward else [b[6]] + ids + c[:3]
+    logits = target.forward_rows(torch.tensor(feed), rows, cache, torch.arange(first, first + len(ids)))
+    paths = [a + guess.chain, a + guess.alternate]
+    alone = [alone_logits(target, p, 8) for p in paths]
+    want = [alone[0][8], alone[0][9], alone[0][10], alone[1][9], alone[1][10], alone[1][11]]
+    for i, w in enumerate(want):
+        assert torch.equal(logits[i], w), i
+    cache.keep(sa, 8, [0, 3, 4, 5])                   # the alternate's path, all three accepted
+    assert cache.lengths[sa] == 12
+    nxt = target.forward_rows(torch.tensor([7]), cache.plan([(sa, 1)]), cache)
+    assert torch.equal(nxt[0], alone_logits(target, paths[1] + [7], 8)[12])
+
+
+def test_a_slot_keeps_a_path_and_names_rows_outside_its_block():
+    cache = SlotCache(num_layers=1, num_kv_heads=1, head_dim=2, max_len=8, slots=1)
+    s = cache.allocate()
+    cache.k[0, s, 0, :, 0] = torch.arange(8.0)
+    cache.lengths[s] = 7                              # a block of 5 rows at 2
+    cache.keep(s, 2, [0, 2, 4])
+    assert cache.lengths[s] == 5 and cache.k[0, s, 0, :5, 0].tolist() == [0, 1, 2, 4, 6]
+    with pytest.raises(InputError, match="outside its block"):
+        cache.keep(s, 2, [0, 3])
+    rows = cache.plan([(s, 3)], {0: torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)})
+    assert rows.positions.tolist() == [5, 6, 6] and rows.keys.tolist() == [8, 8, 8]
+    assert rows.mask[0, 0, 2].tolist() == [True] * 5 + [True, False, True]
+    with pytest.raises(InputError, match="ancestor matrix"):
+        cache.plan([(s, 2)], {0: torch.ones(3, 3, dtype=torch.bool)})

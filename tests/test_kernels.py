@@ -285,6 +285,29 @@ def test_rope_qkv_rounds_into_an_fp16_cache_as_torch_does():
     assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half()) and k16.abs().sum() > 0
 
 
+@needs
+def test_rows_of_several_sequences_with_a_tree_mask_give_each_row_its_bits_alone():
+    """A tree block among slot rows: each row sees its slot's keys below its key count where the
+    mask lets it, in the lanes of a shared pass and alone alike."""
+    _, attn = kernels.fused_ops()
+    g = torch.Generator().manual_seed(8)
+    k_buf, v_buf = torch.randn(2, 3, 60, 64, generator=g), torch.randn(2, 3, 60, 64, generator=g)
+    slot = torch.tensor([1] * 6 + [0])
+    keys = torch.tensor([46] * 6 + [20])
+    mask = torch.arange(60)[None, :] < keys[:, None]
+    tree = torch.tensor([[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 0, 0, 1, 0, 0],
+                         [1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 1, 1]], dtype=torch.bool)
+    mask[:6, 40:46] = tree
+    q = torch.randn(1, 9, 7, 64, generator=g)
+    out = attn(q, k_buf, v_buf, mask[None, None].contiguous(), slot, keys)
+    for t in range(7):
+        s, n = int(slot[t]), int(keys[t])
+        alone = attn(q[:, :, t:t + 1].contiguous(), k_buf[s:s + 1, :, :n], v_buf[s:s + 1, :, :n],
+                     mask[t:t + 1, :n][None, None].contiguous())
+        assert torch.equal(alone, out[:, :, t:t + 1]), t
+    assert not torch.equal(out, attn(q, k_buf, v_buf, None, slot, keys))     # the mask was read
+
+
 @contextlib.contextmanager
 def one_thread_count(n):
     before = torch.get_num_threads()

@@ -53,7 +53,7 @@ from ..sampling import SamplingParams, sample_each
 from ..speculative.decoder import check_draft
 from ..speculative.step import Step
 from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, DraftPool, DraftSpend,
-                     Option, check_chain, expected_tokens)
+                     Guess, Option, check_tree, expected_tokens, ranked_nodes, worth_asking)
 from .engine import Run
 from .output import Output
 from .scheduler import Emitted, Request, Scheduler
@@ -197,8 +197,10 @@ class BatchScheduler(Scheduler):
             self._end_solo(solo[0])               # company: it joins the batch from its last token
         elif solo or self._may_go_solo():
             return self._solo_step(self.running[0])
-        blocks, sources = self._blocks()
-        rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks])
+        blocks, guesses = self._blocks()
+        trees = {i: guesses[req.id].ancestors() for i, (req, _, _) in enumerate(blocks)
+                 if req.id in guesses and guesses[req.id].alternate}
+        rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks], trees)
         picks, first = [], []             # the rows whose logits are wanted; each block's first pick
         for blk, (_, _, decodes) in zip(rows.blocks, blocks):
             first.append(len(picks))      # a decoding block: every row (its chain's); else the last
@@ -213,22 +215,23 @@ class BatchScheduler(Scheduler):
         ready, emitted = [], []           # ready: the one-row blocks whose logits give a next token
         for i, (req, ids, decodes) in enumerate(blocks):
             blk = rows.blocks[i]
-            if decodes and len(ids) > 1:  # its last token and a chain: checked row by row
-                chain, source = ids[1:], sources[req.id]
-                tokens = check_chain(logits[first[i]:first[i] + len(ids)], chain, req.params, req.gen)
+            if decodes and len(ids) > 1:  # its last token and a guess: checked row by row
+                g = guesses[req.id]
+                tokens, path = check_tree(logits[first[i]:first[i] + len(ids)], ids, g.parents(),
+                                          req.params, req.gen)
                 kept = len(tokens) - 1
-                self.cache.truncate(req.slot, blk.start + 1 + kept)
+                self.cache.keep(req.slot, blk.start, path)      # the path taken, in order
                 req.fed += 1 + kept
-                self._features(req, aux, blk.first_row, 1 + kept)
-                (req.chain if source == "suffix" else req.chain.draft).observe(len(chain), kept)
-                done = Step(tokens, kept, verify_s=step_s, proposed=len(chain),
-                            accepted_suffix=kept if source == "suffix" else 0, arm=source)
-                if source == "draft" and self.monitor is not None:
+                self._features(req, aux, [blk.first_row + r for r in path])
+                g.observe(req.chain if g.source == "suffix" else req.chain.draft, path)
+                done = Step(tokens, kept, verify_s=step_s, proposed=len(ids) - 1,
+                            accepted_suffix=kept if g.source == "suffix" else 0, arm=g.source)
+                if g.source == "draft" and self.monitor is not None:
                     self.monitor.observe(done)    # the draft's acceptance, as the solo engine's
                 emitted.append(self._emit(req, done))
                 continue
             req.fed += len(ids)
-            self._features(req, aux, blk.first_row, len(ids))
+            self._features(req, aux, range(blk.first_row, blk.first_row + len(ids)))
             if not decodes and self.prefixes is not None and not req.out_ids and not req.prefilling:
                 self.prefixes.store(self.cache, req.slot, req.prompt_ids)   # its prompt, for later
             if decodes or (not req.prefilling and not req.out_ids):
@@ -259,14 +262,15 @@ class BatchScheduler(Scheduler):
         return lambda k: (spend.added_ms(step, k)
                           + later * min(1.0, (1 + expected_tokens(d.rate, k)) / max(room, 1)))
 
-    def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], first_row: int, n: int) -> None:
-        """The target's features of the request's n tokens fed this step, for its draft chain."""
+    def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], rows) -> None:
+        """The target's features at the forward's `rows` (the request's tokens fed this step, in
+        order), for its draft chain."""
         if aux is not None and req.chain is not None and req.chain.draft is not None:
-            req.chain.draft.wait(aux[first_row:first_row + n])
+            req.chain.draft.wait(aux[list(rows)])
 
-    def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, tuple[str, list[int]]]:
-        """{request id: (source, chain)} for the decoding requests whose guesses pay this step
-        (chains.py), given the step's other rows."""
+    def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, Guess]:
+        """{request id: its guess} for the decoding requests whose guesses pay this step
+        (chains.py: a chain, or a chain and an alternate branch), given the step's other rows."""
         if self.chains is None or not decoders:
             return {}
         options, guesses = [], {}
@@ -274,26 +278,38 @@ class BatchScheduler(Scheduler):
         floor = self.chains.floor_rate(rows, len(decoders))
         for r in decoders:
             room = r.params.max_new_tokens - len(r.out_ids) - 1
-            guess = r.chain.guess(room) if r.chain.rate > floor else []
+            guess = r.chain.guess(room) if worth_asking(r.chain, floor) else []
             if guess:
-                guesses[r.id] = guess
-                options.append(Option(r.id, "suffix", len(guess), r.chain.rate, NO_EXTRA))
+                alt = r.chain.alternate(room)
+                guesses[r.id] = (guess, alt)
+                nodes = ranked_nodes(r.chain.rate, len(guess), r.chain.alt.rate, len(alt))
+                options.append(Option(r.id, "suffix", len(nodes), r.chain.rate, NO_EXTRA, nodes=nodes))
             d = r.chain.draft
-            if d is not None and d.rate > floor and (d.waiting or d.head is not None):
-                options.append(Option(r.id, "draft", d.cap(room, DRAFT_MAX_TOKENS), d.rate,
-                                      self._draft_ms(d, room, spend),
-                                      lambda k, step=d.catch_up_now: spend.take(step, k)))
+            if d is not None and worth_asking(d, floor) and (d.waiting or d.head is not None):
+                most = d.cap(room, DRAFT_MAX_TOKENS)
+                nodes = ranked_nodes(d.rate, most, d.alt.rate, 1 if room > 0 else 0)
+                opt = Option(r.id, "draft", len(nodes), d.rate, None, nodes=nodes)
+                draft_ms = self._draft_ms(d, room, spend)     # only the chain's tokens are drafted
+                options.append(opt._replace(
+                    extra_ms=lambda k, o=opt, ms=draft_ms: ms(o.branches(k)[0]),
+                    take=lambda k, o=opt, step=d.catch_up_now: spend.take(step, o.branches(k)[0])))
         plan = self.chains.plan(options, rows, len(decoders)) if options else {}
         by_id = {r.id: r for r in decoders}
-        asks = [(by_id[rid].chain.draft, k, by_id[rid].prompt_ids + by_id[rid].out_ids)
-                for rid, (opt, k) in plan.items() if opt.source == "draft"]
-        drafted = iter(self.drafts.guess(asks) if asks else [])   # every draft chain at once
-        chains = {}
+        drafts = [(rid, opt.branches(k)) for rid, (opt, k) in plan.items() if opt.source == "draft"]
+        asks = [(by_id[rid].chain.draft, chain, by_id[rid].prompt_ids + by_id[rid].out_ids)
+                for rid, (chain, _) in drafts]
+        drafted = dict(zip([rid for rid, _ in drafts], self.drafts.guess_trees(asks) if asks else []))
+        out = {}
         for rid, (opt, k) in plan.items():
-            chain = guesses[rid][:k] if opt.source == "suffix" else next(drafted)
-            if chain:
-                chains[rid] = (opt.source, chain)
-        return chains
+            n_chain, n_alt = opt.branches(k)
+            if opt.source == "suffix":
+                chain, alt = guesses[rid][0][:n_chain], guesses[rid][1][:n_alt]
+            else:               # every draft chain drafted at once; its runner-up first token
+                chain, runner_up = drafted[rid]
+                alt = [runner_up] if n_alt and runner_up is not None and chain else []
+            if chain:           # siblings guess distinct tokens (a tie may rank one token twice)
+                out[rid] = Guess(opt.source, chain, alt if alt and alt[0] != chain[0] else [])
+        return out
 
     # ------------------------------------------------------------------ alone: speculative
     def _may_go_solo(self) -> bool:
@@ -345,11 +361,12 @@ class BatchScheduler(Scheduler):
             req.slot = self.cache.allocate()
             self.running.append(req)
 
-    def _blocks(self) -> tuple[list[tuple[BatchRequest, list[int], bool]], dict[int, str]]:
+    def _blocks(self) -> tuple[list[tuple[BatchRequest, list[int], bool]], dict[int, Guess]]:
         """Each running request's tokens this step, and whether the block decodes (its logits give
-        the next token), and the source of each chain by request id: decoders first (their last token, and a chain where one pays), then
-        prompt chunks in order (a request back from solo prefills its prompt and output so far the
-        same way)."""
+        the next token), and each guess by request id: decoders first (their last token, then a
+        guess where one pays: a chain, or a tree of a chain and an alternate branch, root first),
+        then prompt chunks in order (a request back from solo prefills its prompt and output so far
+        the same way)."""
         decoders = [r for r in self.running if not r.prefilling]
         for r in self.running:          # a fresh prompt starts from the longest cached prefix
             if self.prefixes is not None and r.fed == 0 and not r.out_ids and not r.prefix_seen:
@@ -368,9 +385,10 @@ class BatchScheduler(Scheduler):
                 ids = r.context(r.fed, budget)
                 prefill.append((r, ids, False))
                 budget -= len(ids)
-        chains = self._chains(decoders, len(decoders) + sum(len(ids) for _, ids, _ in prefill))
-        blocks = [(r, [r.out_ids[-1]] + chains.get(r.id, ("", []))[1], True) for r in decoders] + prefill
-        return blocks, {rid: source for rid, (source, _) in chains.items()}
+        guesses = self._chains(decoders, len(decoders) + sum(len(ids) for _, ids, _ in prefill))
+        blocks = [(r, [r.out_ids[-1]] + (guesses[r.id].tokens if r.id in guesses else []), True)
+                  for r in decoders] + prefill
+        return blocks, guesses
 
     def _retire(self, req: BatchRequest) -> None:
         if req.chain is not None and req.chain.draft is not None:

@@ -23,6 +23,16 @@ chain of k rows when (B + E(k)) / (cost(B) + cost(N + k) - cost(N) + its draft m
 B / cost(B) by PAY_MARGIN, with E(k) = a + a^2 + ... + a^k for the source's per-token acceptance
 a; the best k of each option is taken, options with the highest a first, one per request. No
 chain runs when none pays, so the batch decodes plainly then.
+
+A block may be a tree: the chain and an alternate branch beside it (`ranked_nodes`): for the suffix
+index its second candidate's continuation (another first token), for the draft its second-best
+first token. The branch is tried only where the chain's first guess misses, so its nodes are worth
+(1 - a) b a^(d-1) tokens each, with b the source's rolling acceptance of alternates; the planner
+takes the best nodes of both branches by that worth, as it takes a chain's. The forward verifies
+the tree in one block (its rows see their ancestors only: models.kv_cache.with_trees), `check_tree`
+samples down it as plain decoding samples, and the slot keeps the path taken (SlotCache.keep).
+Where rows are dear (a CPU, where one costs ~16% of a forward) the alternates rarely pay; where they
+are cheap (AMX tiles, a GPU) they add what the first guess misses.
 """
 from __future__ import annotations
 
@@ -46,6 +56,9 @@ PRIOR_ACCEPTED, PRIOR_TRIED = 0.7, 2.0     # the acceptance a draft chain starts
                                            # draft chains at 4 clients ran 0.94x plain decoding)
 SUFFIX_PRIOR_ACCEPTED = 1.4                # a suffix guess's: 0.7 (a match of 4+ tokens is a copy
                                            # more often than the draft's first guess is right)
+ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED = 0.4, 2.0   # an alternate branch's first guess starts at 0.2:
+                                                # right when the chain's first guess was wrong
+ALT_MAX_TOKENS = 4         # the longest alternate branch (the suffix index's second continuation)
 MEMORY = 0.9               # the weight of a source's earlier chains in its acceptance
 PAY_MARGIN = 0.05          # a chain must raise the step's tokens per ms by this share: the cost
                            # table is a single sequence's at ~200 cached tokens, a batch's forward
@@ -88,18 +101,26 @@ class Rolling:
 class ChainState(Rolling):
     """One request's suffix index and the acceptance of its suffix chains; `draft` its EAGLE-3
     draft chain where the batch has a draft."""
-    index: SuffixIndex = field(default_factory=lambda: SuffixIndex(CHAIN_MIN_MATCH, 16, 1))
+    index: SuffixIndex = field(default_factory=lambda: SuffixIndex(CHAIN_MIN_MATCH, 16, 2))
     draft: Optional["DraftChain"] = None
     accepted: float = SUFFIX_PRIOR_ACCEPTED
+    alt: Rolling = field(default_factory=lambda: Rolling(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED))
 
     def guess(self, most: int) -> list[int]:
         """The continuation its index proposes now, at most `most` tokens (and within `cap`);
         empty without a long enough match."""
-        most = self.cap(most, CHAIN_MAX_TOKENS)
+        return self._candidate(0, self.cap(most, CHAIN_MAX_TOKENS))
+
+    def alternate(self, most: int) -> list[int]:
+        """The index's second continuation (its first token differs from guess's), at most
+        `most` tokens and ALT_MAX_TOKENS; empty where there is none."""
+        return self._candidate(1, min(most, ALT_MAX_TOKENS))
+
+    def _candidate(self, rank: int, most: int) -> list[int]:
         if most < 1:
             return []
         cands = [c for c in self.index.propose(most) if c.match_len >= CHAIN_MIN_MATCH]
-        return cands[0].tokens[:most] if cands else []
+        return cands[rank].tokens[:most] if len(cands) > rank else []
 
 
 class DraftChain(Rolling):
@@ -113,6 +134,7 @@ class DraftChain(Rolling):
     def __init__(self, pool: "DraftPool", slot: int, offset: int):
         super().__init__()
         self.pool, self.slot, self.offset = pool, slot, offset
+        self.alt = Rolling(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED)   # its second-best first tokens
         self.waiting: list[torch.Tensor] = []        # [m, F] features of the next tokens, in order
         self.head: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # last row: logits, hidden
 
@@ -177,12 +199,18 @@ class DraftPool:
         chain.head = None if pending or head is None else (head[0], head[1])
         return chain
 
-    @torch.inference_mode()
     def guess(self, asks: Sequence[tuple[DraftChain, int, Sequence[int]]]) -> list[list[int]]:
         """(chain, k, the request's prompt and output so far) -> k draft tokens each (none for a
-        chain with nothing to draft from): the catch-ups over the waiting rows in one forward,
-        then a forward per token past the first over the chains still going; each slot is left
-        at its catch-up."""
+        chain with nothing to draft from)."""
+        return [chain for chain, _ in self.guess_trees(asks)]
+
+    @torch.inference_mode()
+    def guess_trees(self, asks: Sequence[tuple[DraftChain, int, Sequence[int]]]
+                    ) -> list[tuple[list[int], Optional[int]]]:
+        """As guess, each chain with the draft's second-best first token (its alternate; None
+        for a chain with nothing to draft from): the catch-ups over the waiting rows in one
+        forward, then a forward per token past the first over the chains still going; each slot
+        is left at its catch-up."""
         catch = [(c, t) for c, _, t in asks if c.waiting]
         if catch:
             ids, feats, blocks, offsets = [], [], [], []
@@ -202,10 +230,17 @@ class DraftPool:
                 c.head = (logits[i], hidden[last[i]])
         going = [(c, k) for c, k, _ in asks if c.head is not None and k > 0]
         out = {id(c): [] for c, _, _ in asks}
+        alts: dict[int, Optional[int]] = {id(c): None for c, _, _ in asks}
         kept = {c.slot: c.length for c, _ in going}
         heads = [c.head for c, _ in going]
+        first = True
         while going:
             logits = torch.stack([lg for lg, _ in heads])
+            if first and logits.shape[-1] > 1:     # the first level's runner-up: the alternate
+                runner_up = self.draft.to_target_ids(logits.topk(2, dim=-1).indices[:, 1])
+                for (c, _), t in zip(going, runner_up.tolist()):
+                    alts[id(c)] = t
+            first = False
             tokens = self.draft.to_target_ids(logits.argmax(dim=-1))
             for (c, _), t in zip(going, tokens.tolist()):
                 out[id(c)].append(t)
@@ -219,7 +254,7 @@ class DraftPool:
             heads = [(lg[j], hid[j]) for j in range(len(more))]
         for slot, length in kept.items():
             self.cache.truncate(slot, length)
-        return [out[id(c)] for c, _, _ in asks]
+        return [(out[id(c)], alts[id(c)]) for c, _, _ in asks]
 
     def _forward(self, ids: torch.Tensor, blocks: list[tuple[int, int]], offsets: list[int], **inputs):
         """One draft forward over blocks (slot, rows) with ids [N] and features or hidden [N, *]:
@@ -269,6 +304,48 @@ class DraftSpend:
             self.rows[level] += r
 
 
+@dataclass(frozen=True)
+class Guess:
+    """A decoding request's guess this step: a chain from `source`, and an alternate branch beside
+    it (empty: the block is a chain)."""
+    source: str                  # "suffix" or "draft"
+    chain: list[int]
+    alternate: list[int]
+
+    @property
+    def tokens(self) -> list[int]:
+        """The guessed tokens in block order, after the request's last token: the chain, then
+        the alternate branch."""
+        return self.chain + self.alternate
+
+    def parents(self) -> list[int]:
+        """Each block row's parent (row 0, the last token: -1): the chain in order under row 0,
+        the alternate branch in order under row 0 too."""
+        c = len(self.chain)
+        return [-1] + list(range(c)) + [0 if j == 0 else c + j for j in range(len(self.alternate))]
+
+    def ancestors(self) -> torch.Tensor:
+        """[rows, rows] bool: row i sees row j where j is i or an ancestor of it."""
+        parents = self.parents()
+        seen = torch.zeros(len(parents), len(parents), dtype=torch.bool)
+        for i in range(len(parents)):
+            j = i
+            while j >= 0:
+                seen[i, j] = True
+                j = parents[j]
+        return seen
+
+    def observe(self, source: Rolling, path: list[int]) -> None:
+        """Tell the source (ChainState or DraftChain) what the path took: the chain's accepted
+        tokens (none where the path left through the alternate), and the alternate branch's where
+        the chain's first guess missed."""
+        c = len(self.chain)
+        on_chain = len(path) > 1 and path[1] <= c
+        source.observe(c, len(path) - 1 if on_chain else 0)
+        if self.alternate and not on_chain:
+            source.alt.observe(len(self.alternate), len(path) - 1)
+
+
 def expected_tokens(rate: float, k: int) -> float:
     """Expected accepted tokens of a chain of k guesses, each right with `rate` given the earlier:
     rate + rate^2 + ... + rate^k."""
@@ -281,10 +358,43 @@ class Option(NamedTuple):
     """One way a request could extend its row this step."""
     key: object                          # the request
     source: str                          # "suffix" or "draft"
-    most: int                            # its longest chain now
+    most: int                            # its most rows now
     rate: float                          # its per-token acceptance
-    extra_ms: Callable[[int], float]     # ms spent outside the forward for a chain of k (the draft)
+    extra_ms: Callable[[int], float]     # ms spent outside the forward for k rows (the draft)
     take: Optional[Callable[[int], None]] = None   # told the k chosen (the draft's step spend)
+    nodes: tuple[tuple[int, float], ...] = ()      # ranked_nodes (a tree); () a chain at `rate`
+
+    def expect(self, k: int) -> float:
+        """Expected accepted tokens of its best k rows."""
+        return sum(w for _, w in self.nodes[:k]) if self.nodes else expected_tokens(self.rate, k)
+
+    def bound(self) -> float:
+        """No block of it brings more tokens than this."""
+        if self.nodes:
+            return sum(w for _, w in self.nodes)
+        return self.rate / (1.0 - self.rate) if self.rate < 1.0 else float("inf")
+
+    def branches(self, k: int) -> tuple[int, int]:
+        """(chain tokens, alternate tokens) of its best k rows."""
+        alt = sum(b for b, _ in self.nodes[:k])
+        return k - alt, alt
+
+
+def worth_asking(source: "Rolling", floor: float) -> bool:
+    """A source (ChainState, DraftChain) whose chain's first guess, or its alternate's where the
+    chain's misses, is accepted more often than the floor rate (ChainPlanner.floor_rate)."""
+    return source.rate > floor or (1.0 - source.rate) * source.alt.rate > floor
+
+
+def ranked_nodes(rate: float, most: int, alt_rate: float, alt_most: int) -> tuple[tuple[int, float], ...]:
+    """The guesses of a chain of `most` tokens and an alternate branch of `alt_most` beside it,
+    best first, as (branch, worth): the chain's token at depth d is accepted with rate^d, the
+    alternate's with (1 - rate) alt_rate rate^(d-1) (its first token where the chain's first
+    missed). The chain's first token leads, and each branch keeps its order, so every prefix is a
+    tree (a node after its parent)."""
+    chain = [(0, rate ** d) for d in range(1, most + 1)]
+    alt = [(1, (1.0 - rate) * alt_rate * rate ** (d - 1)) for d in range(1, alt_most + 1)]
+    return tuple(chain[:1] + sorted(chain[1:] + alt, key=lambda n: -n[1])) if chain else ()
 
 
 NO_EXTRA = lambda k: 0.0                 # noqa: E731  a suffix guess costs nothing to make
@@ -321,31 +431,36 @@ class ChainPlanner:
         and do not make a chain cheaper)."""
         chosen = {}
         tokens, spent = float(decoders), self.cost_ms(max(decoders, 1))
-        longest = min(max((o.most for o in options), default=0), self.max_rows - rows)
+        # every option's rows may fit (not only the longest one's), up to the forward's limit
+        longest = min(sum(o.most for o in options), self.max_rows - rows)
         if longest < 1:
             return chosen
-        cost = [self.cost_ms(rows + k) for k in range(longest + 1)]    # by rows added; once a step
+        priced: dict[int, float] = {}
+
+        def cost(added: int) -> float:      # ms of the forward by rows added, each priced once a step
+            if added not in priced:
+                priced[added] = self.cost_ms(rows + added)
+            return priced[added]
         added = 0
         for opt in sorted(options, key=lambda o: -o.rate):
             if opt.key in chosen:
                 continue
             best, best_k = (1.0 + PAY_MARGIN) * tokens / spent, 0
-            # no chain of this rate brings more than rate / (1 - rate) tokens: skip what cannot pay
-            if opt.rate < 1.0 and (tokens + opt.rate / (1.0 - opt.rate)) / (
-                    spent + cost[min(added + 1, longest)] - cost[added]) <= best:
+            # no block of this option brings more than its bound: skip what cannot pay
+            if (tokens + opt.bound()) / (spent + cost(min(added + 1, longest)) - cost(added)) <= best:
                 continue
             for k in range(1, min(opt.most, longest - added) + 1):
-                more = cost[added + k] - cost[added] + opt.extra_ms(k)
-                gain = (tokens + expected_tokens(opt.rate, k)) / (spent + more)
+                more = cost(added + k) - cost(added) + opt.extra_ms(k)
+                gain = (tokens + opt.expect(k)) / (spent + more)
                 if gain > best:
                     best, best_k = gain, k
             if best_k:
                 chosen[opt.key] = (opt, best_k)
-                spent += cost[added + best_k] - cost[added] + opt.extra_ms(best_k)
+                spent += cost(added + best_k) - cost(added) + opt.extra_ms(best_k)
                 if opt.take is not None:
                     opt.take(best_k)
                 added += best_k
-                tokens += expected_tokens(opt.rate, best_k)
+                tokens += opt.expect(best_k)
         return chosen
 
 
@@ -357,10 +472,32 @@ def check_chain(logits: torch.Tensor, chain: list[int], params: SamplingParams,
     the accepted guesses."""
     if logits.shape[0] != len(chain) + 1:
         raise ValueError(f"a chain of {len(chain)} needs {len(chain) + 1} logit rows, got {logits.shape[0]}")
-    out = []
-    for i in range(len(chain) + 1):
-        token = int(sample_next(logits[i], params, gen))
+    return check_tree(logits, [-1] + list(chain), list(range(-1, len(chain))), params, gen)[0]
+
+
+def check_tree(logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int], params: SamplingParams,
+               gen: torch.Generator) -> tuple[list[int], list[int]]:
+    """The tokens plain decoding emits over a checked tree, and the rows of the path taken. Row 0
+    is the request's last token (tokens[0] unused), row i > 0 guesses tokens[i] after row
+    parents[i] (parents before children, a parent's children distinct tokens); logits [n, V] of
+    the rows. From row 0, each row is sampled as plain decoding samples it; where a child of it
+    guessed the token drawn, that child's row is next, else the step ends. -> (the tokens drawn,
+    [0, the accepted rows...]): len(tokens) - 1 guesses were accepted."""
+    n = len(tokens)
+    if logits.shape[0] != n or len(parents) != n:
+        raise ValueError(f"a tree of {n} rows needs {n} logit rows and parents, got {logits.shape[0]} "
+                         f"and {len(parents)}")
+    children: dict[tuple[int, int], int] = {}
+    for i in range(1, n):
+        if not 0 <= parents[i] < i or (parents[i], int(tokens[i])) in children:
+            raise ValueError(f"tree row {i}: parent {parents[i]} must precede it and its siblings "
+                             "must guess distinct tokens")
+        children[(parents[i], int(tokens[i]))] = i
+    out, path = [], [0]
+    while True:
+        token = int(sample_next(logits[path[-1]], params, gen))
         out.append(token)
-        if i == len(chain) or token != chain[i]:
-            break
-    return out
+        child = children.get((path[-1], token))
+        if child is None:
+            return out, path
+        path.append(child)

@@ -100,13 +100,18 @@ class SlotRows(NamedTuple):
     """Where the rows of one batched forward come from and go (continuous batching).
 
     Row order: the blocks one after another; block i is `rows` consecutive tokens of the sequence
-    in cache slot `slot`, written at [start, start + rows) of that slot (its cached length)."""
+    in cache slot `slot`, written at [start, start + rows) of that slot (its cached length). A
+    tree block (a request's last token and a tree of guesses, root first, parents before
+    children) sees its slot's keys before it and, among its own rows, each row its ancestors and
+    itself (`mask`), each row at position start + its depth."""
     slot: torch.Tensor          # [N] int64: the cache slot of each row
     index: torch.Tensor         # [N] int64: the cache row its k/v is written at
     keys: torch.Tensor          # [N] int64: it attends to keys [0, keys) of its slot (causal)
     positions: torch.Tensor     # [N] int64: its rotary position (= index for plain decoding)
     last: torch.Tensor          # [num_blocks] int64: each block's last row
     blocks: tuple[Block, ...]
+    mask: Optional[torch.Tensor] = None   # [1, 1, N, max_len] bool where a block is a tree: row
+                                          # t sees key s of its slot iff s < keys[t] and mask
 
     @property
     def num_rows(self) -> int:
@@ -165,8 +170,10 @@ class SlotCache:
             raise InputError(f"KV cache slot {slot} is not in use (in use: {sorted(self.in_use)}); "
                              "allocate it first")
 
-    def plan(self, blocks: list[tuple[int, int]]) -> SlotRows:
-        """Rows for one forward: `blocks` is (slot, num_new_tokens) per sequence, each slot once."""
+    def plan(self, blocks: list[tuple[int, int]], trees: Optional[dict[int, torch.Tensor]] = None) -> SlotRows:
+        """Rows for one forward: `blocks` is (slot, num_new_tokens) per sequence, each slot once.
+        trees: {block index: its ancestor matrix [rows, rows] bool (row i sees row j: j is i or an
+        ancestor of i; row 0 the root)} for the blocks that are trees."""
         slots = [s for s, _ in blocks]
         if len(set(slots)) != len(slots):
             raise InputError(f"a slot appears twice in one forward: {slots}; give each sequence "
@@ -179,7 +186,8 @@ class SlotCache:
             check_room(self.lengths[slot], rows, self.max_len)
             placed.append(Block(slot, self.lengths[slot], rows, first))
             first += rows
-        return rows_of_blocks(placed, self.k.device)
+        planned = rows_of_blocks(placed, self.k.device)
+        return with_trees(planned, trees, self.max_len) if trees else planned
 
     def load(self, slot: int, cache: KVCache, length: int) -> None:
         """Slot `slot` (empty) takes the first `length` tokens of a one-sequence cache, its k/v
@@ -232,6 +240,21 @@ class SlotCache:
             raise InputError(f"slot {slot} holds {self.lengths[slot]} tokens; it cannot be cut to {length}")
         self.lengths[slot] = length
 
+    def keep(self, slot: int, start: int, kept: list[int]) -> None:
+        """After a tree block written at `start`: its rows `kept` (a root-to-node path, in order)
+        become rows start, start + 1, ... and the slot ends after them."""
+        self._check_in_use(slot)
+        if any(not 0 <= r < self.lengths[slot] - start for r in kept):
+            raise InputError(f"slot {slot}: kept rows {kept} lie outside its block of "
+                             f"{self.lengths[slot] - start} rows at {start}")
+        moved = [(i, r) for i, r in enumerate(kept) if r != i]
+        if moved:
+            src = torch.tensor([start + r for _, r in moved], device=self.k.device)
+            dst = torch.tensor([start + i for i, _ in moved], device=self.k.device)
+            for buf in (self.k, self.v):
+                buf[:, slot, :, dst] = buf[:, slot, :, src]   # the index reads a copy first
+        self.lengths[slot] = start + len(kept)
+
     def commit(self, rows: SlotRows) -> None:
         """The forward over `rows` has written its blocks: each slot's length moves past them."""
         for b in rows.blocks:
@@ -244,6 +267,24 @@ def rows_of_blocks(blocks: list[Block], device: torch.device | str = "cpu") -> S
     index = torch.cat([torch.arange(b.start, b.start + b.rows) for b in blocks])
     last = torch.tensor([b.first_row + b.rows - 1 for b in blocks], dtype=torch.long)
     return SlotRows(slot, index, index + 1, index.to(device), last, tuple(blocks))
+
+
+def with_trees(rows: SlotRows, trees: dict[int, torch.Tensor], max_len: int) -> SlotRows:
+    """`rows` with the given blocks as trees: their positions by depth, every row's keys up to the
+    block's end, and the mask that keeps each tree row to its context and ancestors."""
+    keys, positions = rows.keys.clone(), rows.positions.clone()
+    mask = torch.arange(max_len)[None, :] < keys[:, None]       # the other blocks: causal
+    for i, anc in trees.items():
+        b = rows.blocks[i]
+        if tuple(anc.shape) != (b.rows, b.rows):
+            raise InputError(f"tree of block {i}: ancestor matrix {tuple(anc.shape)}, the block has "
+                             f"{b.rows} rows")
+        r = slice(b.first_row, b.first_row + b.rows)
+        keys[r] = b.start + b.rows
+        mask[r, :b.start] = True
+        mask[r, b.start:b.start + b.rows] = anc.bool()
+        positions[r] = b.start + anc.sum(dim=1).to(positions.device) - 1
+    return rows._replace(keys=keys, positions=positions, mask=mask[None, None].to(rows.positions.device))
 
 
 class PrefixStore:

@@ -131,7 +131,7 @@ class FastLayer:
         if (x_in is None and self.one_call is not None and self.norm1 is not None
                 and h.shape[1] <= self.backend.kernel_rows and k_buf.dtype in KERNEL_KV):
             return self.backend.kernels.decoder_layer(h.contiguous(), None, self.one_call, cos, sin, k_buf,
-                                                      v_buf, 0, None, rows.slot, rows.index, rows.keys)
+                                                      v_buf, 0, rows.mask, rows.slot, rows.index, rows.keys)
         if x_in is None:
             x_in = h if self.norm1 is None else self.backend.rms_norm(h, *self.norm1)
         h = h + self.attention_rows(x_in, cos, sin, k_buf, v_buf, rows)
@@ -148,7 +148,7 @@ class FastLayer:
         else:
             q = self._rotate_and_cache_rows(x, cos, sin, k_buf, v_buf, rows)
         if fused:
-            a = b.kernels.attention(q.contiguous(), k_buf, v_buf, None, rows.slot, rows.keys)
+            a = b.kernels.attention(q.contiguous(), k_buf, v_buf, rows.mask, rows.slot, rows.keys)
         else:
             a = self._attend_each(q, k_buf, v_buf, rows)
         return self.o_proj(a.transpose(1, 2).reshape(1, n, -1))
@@ -170,12 +170,15 @@ class FastLayer:
     def _attend_each(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                      rows: SlotRows) -> torch.Tensor:
         """Without the kernels: the backend's attention once per sequence over its slot's prefix
-        (a Python loop over sequences, attention only), with its block's causal mask."""
+        (a Python loop over sequences, attention only), with its block's causal (or tree) mask."""
         out = torch.empty_like(q)
         for blk in rows.blocks:
             r, end = slice(blk.first_row, blk.first_row + blk.rows), blk.start + blk.rows
-            mask = None if blk.rows == 1 else self.backend.prepare_mask(
-                causal_block_mask(blk.start, blk.rows, q.device))
+            if rows.mask is not None:
+                mask = self.backend.prepare_mask(rows.mask[:, :, r, :end].contiguous())
+            else:
+                mask = None if blk.rows == 1 else self.backend.prepare_mask(
+                    causal_block_mask(blk.start, blk.rows, q.device))
             out[:, :, r] = self.backend.attention(q[:, :, r], k_buf[blk.slot:blk.slot + 1, :, :end],
                                                   v_buf[blk.slot:blk.slot + 1, :, :end], mask)
         return out

@@ -157,9 +157,10 @@ class InferenceTarget:
         h = self.embed_tokens(input_ids.view(1, -1).to(self.device))
         feats = []
         one = rows.blocks[0] if len(rows.blocks) == 1 else None   # its slot runs as a plain cache
-        if one is not None:
-            mask = self.backend.prepare_mask(None if one.rows == 1 else
-                                             causal_block_mask(one.start, one.rows, h.device))
+        if one is not None:           # its own mask over the slot's keys: a tree's, or causal
+            mask = self.backend.prepare_mask(
+                rows.mask[..., :one.start + one.rows].contiguous() if rows.mask is not None else
+                None if one.rows == 1 else causal_block_mask(one.start, one.rows, h.device))
         for i, layer in enumerate(self.layers):
             if i in capture:
                 feats.append(h)

@@ -125,6 +125,57 @@ void weighted_sums_rows(const float* const* p, int64_t ps, const T* v, int64_t l
 
 // ---- several query rows of one kv head in one pass: a zmm lane per (row, head of the group)
 
+// rows [0, n) of a [*, ld] fp16 matrix, D elements each (a multiple of 16), widened (exact) into
+// dst [n, D]
+inline void widen_rows(const at::Half* src, int64_t ld, int64_t n, int64_t D, float* dst) {
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(dst + r * D + d, load16(src + r * ld + d));
+}
+
+// weighted_sums over a chunk of n values (widened, [n, 16 ND]) for lanes [i0, i0 + G) of p
+// (p[j * 16 + lane], from key j0): each lane's sums continue from acc, in key order
+template <int ND, int G>
+inline void widened_chunk(const float* p, int64_t j0, const float* w, int64_t n, int64_t i0, float* acc) {
+  __m512 a[G][ND];
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) a[i][d] = _mm512_load_ps(acc + (i0 + i) * 16 * ND + 16 * d);
+  for (int64_t j = 0; j < n; ++j) {
+    __m512 vj[ND];
+    for (int d = 0; d < ND; ++d) vj[d] = _mm512_load_ps(w + j * 16 * ND + 16 * d);
+    for (int i = 0; i < G; ++i) {
+      const __m512 pj = _mm512_set1_ps(p[(j0 + j) * 16 + i0 + i]);
+      for (int d = 0; d < ND; ++d) a[i][d] = _mm512_fmadd_ps(pj, vj[d], a[i][d]);
+    }
+  }
+  for (int i = 0; i < G; ++i)
+    for (int d = 0; d < ND; ++d) _mm512_store_ps(acc + (i0 + i) * 16 * ND + 16 * d, a[i][d]);
+}
+
+// weighted_sums_rows' result (the same additions in the same order, lane by lane) over fp16
+// values: a chunk of values at a time widened into L1 and used by every lane before the next
+// (reading fp16 values converts each load: ~1.8x the fp32 time where a pass holds several rows)
+template <int ND>
+void weighted_sums_widened(const float* p, const at::Half* v, int64_t ldv, int64_t S, const float* inv,
+                           float* const* out, int64_t lanes) {
+  constexpr int64_t D = 16 * ND, kChunk = 64;
+  constexpr int G = ND <= 4 ? 4 : 2;
+  alignas(64) float acc[16 * D];
+  alignas(64) float wide[kChunk * D];
+  std::fill(acc, acc + lanes * D, 0.0f);
+  for (int64_t j0 = 0; j0 < S; j0 += kChunk) {
+    const int64_t n = std::min(kChunk, S - j0);
+    widen_rows(v + j0 * ldv, ldv, n, D, wide);
+    int64_t i = 0;
+    for (; i + G <= lanes; i += G) widened_chunk<ND, G>(p, j0, wide, n, i, acc);
+    for (; i < lanes; ++i) widened_chunk<ND, 1>(p, j0, wide, n, i, acc);
+  }
+  for (int64_t i = 0; i < lanes; ++i) {
+    const __m512 iv = _mm512_set1_ps(inv[i]);
+    for (int d = 0; d < ND; ++d)
+      _mm512_storeu_ps(out[i] + 16 * d, _mm512_mul_ps(_mm512_load_ps(acc + i * D + 16 * d), iv));
+  }
+}
+
 // 1 + the last key a mask row lets through (0: none), so keys after it (a causal block's
 // future) are not visited: they would add exact zeros
 inline int64_t last_live(const bool* m, int64_t S) {
@@ -178,7 +229,8 @@ inline void lane_dots2(const float* qt, const float* k0, const float* k1, __m512
 template <int ND, typename T>
 void attention_lanes(const float* const* q, float* const* out, int64_t rows, int64_t group,
                      const T* kb, int64_t ldk, const T* vb, int64_t ldv, int64_t S,
-                     const bool* const* mask, const int64_t* keys, float scale, float* qt, float* sc) {
+                     const bool* const* mask, const int64_t* keys, float scale, float* qt, float* sc,
+                     float* wide) {
   constexpr int64_t D = 16 * ND;
   const int64_t lanes = rows * group;
   std::fill(qt, qt + 16 * D, 0.0f);
@@ -200,21 +252,22 @@ void attention_lanes(const float* const* q, float* const* out, int64_t rows, int
   };
   const __m512 ninf = _mm512_set1_ps(-INFINITY), vscale = _mm512_set1_ps(scale);
   __m512 mx = ninf;
-  alignas(64) float wide[2][D];      // fp16 keys: the pair widened (exact) for the scalar reads
+  // fp16 keys: lane_dots2 reads a key one element at a time, so each chunk of keys is widened
+  // (exact) into a buffer that stays in L1 first (the values likewise: weighted_sums_widened)
+  constexpr int64_t kChunk = 64;     // `wide` holds kChunk * D floats (heap scratch: as a local
+                                     // array the compiler moved its elements through the stack)
   for (int64_t s = 0; s < S; s += 2) {
-    const T* k0 = kb + s * ldk;
     const bool pair = s + 1 < S;
-    const T* k1 = pair ? k0 + ldk : k0;
-    __m512 d0, d1;
+    const float* k0;
+    int64_t step;
     if constexpr (std::is_same_v<T, float>) {
-      lane_dots2<ND>(qt, k0, k1, d0, d1);
+      k0 = kb + s * ldk, step = ldk;
     } else {
-      for (int c = 0; c < ND; ++c) {
-        _mm512_store_ps(wide[0] + 16 * c, load16(k0 + 16 * c));
-        _mm512_store_ps(wide[1] + 16 * c, load16(k1 + 16 * c));
-      }
-      lane_dots2<ND>(qt, wide[0], wide[1], d0, d1);
+      if (s % kChunk == 0) widen_rows(kb + s * ldk, ldk, std::min(kChunk, S - s), D, wide);
+      k0 = wide + (s % kChunk) * D, step = D;
     }
+    __m512 d0, d1;
+    lane_dots2<ND>(qt, k0, pair ? k0 + step : k0, d0, d1);
     const __m512 x0 = _mm512_mask_mov_ps(ninf, live(s), _mm512_mul_ps(d0, vscale));
     _mm512_storeu_ps(sc + 16 * s, x0);
     mx = _mm512_max_ps(mx, x0);
@@ -239,7 +292,10 @@ void attention_lanes(const float* const* q, float* const* out, int64_t rows, int
     inv[i] = sums[i] > 0.0f ? 1.0f / sums[i] : 0.0f;
     p[i] = sc + i;
   }
-  weighted_sums_rows<ND>(p, 16, vb, ldv, S, inv, out, lanes);
+  if constexpr (std::is_same_v<T, float>)
+    weighted_sums_rows<ND>(p, 16, vb, ldv, S, inv, out, lanes);
+  else
+    weighted_sums_widened<ND>(sc, vb, ldv, S, inv, out, lanes);
 }
 
 }  // namespace
@@ -251,8 +307,9 @@ void attention_lanes(const float* const* q, float* const* out, int64_t rows, int
 // arithmetic is the same whatever else is in the item.
 // Rows of several sequences (continuous batching): q [1, Hq, N, D] holds N rows, k/v [slots, Hkv,
 // S, D] a cache slot per sequence; row t attends to keys [0, keys_of_row[t]) of slot
-// slot_of_row[t] (int64 [N] each; mask None). Same arithmetic as a masked block: masked keys only
-// add exact zeros there, so a row gets the bits of its sequence run alone.
+// slot_of_row[t] (int64 [N] each) where the mask, if any ([1, 1, N, S] bool: a tree block's rows
+// see their ancestors only), lets it. Same arithmetic as a masked block: masked keys only add exact
+// zeros there, so a row gets the bits of its sequence run alone.
 torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<torch::Tensor> mask,
                         c10::optional<torch::Tensor> slot_of_row,
                         c10::optional<torch::Tensor> keys_of_row) {
@@ -268,7 +325,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   TORCH_CHECK(rows == keys_of_row.has_value(), "slot_of_row and keys_of_row go together");
   const int64_t* row_slot = rows ? checked_rows(*slot_of_row, "slot_of_row", T, 0, k.size(0) - 1) : nullptr;
   const int64_t* row_keys = rows ? checked_rows(*keys_of_row, "keys_of_row", T, 1, k.size(2)) : nullptr;
-  TORCH_CHECK(!rows || (B == 1 && !mask), "rows of several sequences: q must be [1, Hq, N, D], mask None");
+  TORCH_CHECK(!rows || B == 1, "rows of several sequences: q must be [1, Hq, N, D]");
   TORCH_CHECK(rows || (k.size(0) == B && v.size(0) == B), "batch: q ", B, ", k ", k.size(0), ", v ", v.size(0));
   TORCH_CHECK(v.size(0) == k.size(0), "batch: k ", k.size(0), ", v ", v.size(0));
   TORCH_CHECK(v.size(1) == Hkv && v.size(2) == S_all, "v [", v.size(1), ", ", v.size(2), "] != k heads/keys [", Hkv, ", ", S_all, "]");
@@ -315,7 +372,7 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     std::vector<float> sc(group * ld), mx(group), sum(group), inv(group), acc(D);
     std::vector<const float*> qrow(group), prow(group);
     std::vector<float*> orow(group);
-    std::vector<float> qt, sc16;
+    std::vector<float> qt, sc16, wide(std::is_same_v<KV, float> ? 0 : 64 * D + 16);
     for (int64_t r = r0; r < r1; ++r) {
       const Item& it = items[r];
       const int64_t b = it.b, g = it.g, t = it.t0;
@@ -343,10 +400,10 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         sc16.resize(16 * (S + 1));
         if (D == 64)
           attention_lanes<4>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
-                             lm.data(), lk.data(), scale, qt.data(), sc16.data());
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.data());
         else
           attention_lanes<8>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
-                             lm.data(), lk.data(), scale, qt.data(), sc16.data());
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.data());
         continue;
       }
       const int64_t S = rows ? row_keys[t] : S_all;

@@ -26,7 +26,8 @@ torch::Tensor linear_any(const torch::Tensor& x, const torch::Tensor& packed,
 //
 // Rows of several sequences (continuous batching): h [1, N, H], k_buf/v_buf [slots, ...] and the
 // rows' slot, cache index and key count (int64 [N] each, as rope_qkv and attention take them;
-// start and mask unused): the ops of FastLayer.forward_rows, bit for bit.
+// start unused; mask None, or [1, 1, N, S] over the slots' keys where a block is a tree): the ops
+// of FastLayer.forward_rows, bit for bit.
 torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, const LayerWeights& w,
                             torch::Tensor cos, torch::Tensor sin, torch::Tensor k_buf, torch::Tensor v_buf,
                             int64_t start, c10::optional<torch::Tensor> mask,
@@ -49,10 +50,12 @@ torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, 
   auto qkv = linear_any(x, w.qkv_w, w.qkv_b, (Hq + 2 * Hkv) * D, w.bf16, w.amx);
   torch::Tensor a;
   if (slot_of_row) {
-    TORCH_CHECK(index_of_row && keys_of_row && !mask && B == 1 && !x_in,
-                "rows of several sequences: h [1, N, H], slot, index and keys of each row, no mask, no x_in");
+    TORCH_CHECK(index_of_row && keys_of_row && B == 1 && !x_in,
+                "rows of several sequences: h [1, N, H], slot, index and keys of each row, no x_in");
     auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, 0, Hq, Hkv, slot_of_row, index_of_row);
-    a = attention(q, k_buf, v_buf, c10::nullopt, slot_of_row, keys_of_row);
+    c10::optional<torch::Tensor> m;
+    if (mask) m = mask->contiguous();
+    a = attention(q, k_buf, v_buf, m, slot_of_row, keys_of_row);
   } else {
     auto q = rope_qkv(qkv, cos, sin, k_buf, v_buf, start, Hq, Hkv);
     c10::optional<torch::Tensor> m;
