@@ -4,10 +4,14 @@ runtime vs HF transformers in the same run, and plain greedy tokens/s of both.
     python tools/bench_runtime.py [--threads 2] [--reps 10] [--new-tokens 64] [--clock wall|cpu]
                                     [--weights gguf|fp32|bf16] [--context 200] [--model M]
     python tools/bench_runtime.py --weights gguf --spread 3000     # ours alone, no HF
+    python tools/bench_runtime.py --weights gguf --spread 600 --context 1000 --rows 1,8 \
+        --kv-cache-dtype fp32,fp16                                  # two caches, alternated
 
 --spread N times N one-token forwards of ours alone and prints their fastest, tenth percentile,
 median and ninetieth percentile: on a VM whose speed drifts, the fastest and the tenth percentile
-tell two builds apart where the median does not.
+tell two builds apart where the median does not. With --rows, blocks of that many new tokens
+(a verify block's rows) instead of one. With several --kv-cache-dtype values, the same layout runs
+on one cache of each type, forward for forward in turn, so a drift of the VM hits all alike.
 
 --weights bf16 packs our target as load_engine(weights="bf16") does (bf16 GEMM weights, row-stable
 attention) and loads HF transformers in bf16 too.
@@ -66,21 +70,32 @@ def time_hf(hf, ctx: torch.Tensor, k: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
-def spread(model, ctx: torch.Tensor, n: int) -> dict:
-    """ms of n one-token forwards on the cached context: fastest, p10, median, p90."""
-    new = torch.randint(0, model.config.vocab_size, (1, 1), generator=torch.Generator().manual_seed(1))
-    cache = model.new_cache(ctx.shape[1] + 8)
-    model(ctx, torch.arange(ctx.shape[1]), cache)
-    pos = torch.tensor([ctx.shape[1]])
-    times = []
+def spread(model, ctx: torch.Tensor, n: int, rows: int = 1, kv_dtypes=(None,)) -> dict:
+    """ms of n forwards of `rows` new tokens on the cached context, on a cache of each of
+    kv_dtypes (None: the layout's own) in turn: {dtype: fastest, p10, median, p90}."""
+    from eagle3.models.kv_cache import KVCache
+    cfg, length = model.config, ctx.shape[1]
+    new = torch.randint(0, cfg.vocab_size, (1, rows), generator=torch.Generator().manual_seed(1))
+    caches = {}
+    for dt in kv_dtypes:
+        dt = dt or model.kv_dtype
+        caches[dt] = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, length + rows + 8, 1, dt)
+        model(ctx, torch.arange(length), caches[dt])
+    pos = torch.arange(length, length + rows)
+    times = {dt: [] for dt in caches}
     for i in range(n + 20):
-        cache.truncate(ctx.shape[1])
-        t0 = CLOCK()
-        model(new, pos, cache)
-        if i >= 20:
-            times.append(1e3 * (CLOCK() - t0))
-    times.sort()
-    return {"min": times[0], "p10": times[n // 10], "median": times[n // 2], "p90": times[9 * n // 10]}
+        for dt, cache in caches.items():
+            cache.truncate(length)
+            t0 = CLOCK()
+            model(new, pos, cache)
+            if i >= 20:
+                times[dt].append(1e3 * (CLOCK() - t0))
+    out = {}
+    for dt, t in times.items():
+        t.sort()
+        out[str(dt).removeprefix("torch.")] = {"min": t[0], "p10": t[n // 10], "median": t[n // 2],
+                                                "p90": t[9 * n // 10]}
+    return out
 
 
 def greedy_tps(engine: Engine, hf, ids: list[int], new_tokens: int) -> tuple[float, float, bool]:
@@ -113,6 +128,9 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=200, help="cached tokens before the timed forward")
     ap.add_argument("--spread", type=int, default=0, metavar="N",
                     help="time N one-token forwards of ours alone (no HF): fastest, p10, median, p90")
+    ap.add_argument("--rows", default="1", help="--spread: new tokens a forward, comma-separated")
+    ap.add_argument("--kv-cache-dtype", default="auto",
+                    help="--spread: the KV cache, or several comma-separated (fp32,fp16) run in turn")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -124,10 +142,14 @@ def main() -> None:
     ctx = torch.randint(0, model.config.vocab_size, (1, args.context),
                         generator=torch.Generator().manual_seed(0))
     if args.spread:
-        with torch.inference_mode():
-            ms = spread(model, ctx, args.spread)
-        print(f"{args.spread} one-token forwards ({args.weights}, {args.context} cached, {args.threads} threads): "
-              + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
+        kinds = {"auto": None, "fp32": torch.float32, "fp16": torch.float16}
+        dtypes = [kinds[k] for k in args.kv_cache_dtype.split(",")]
+        for rows in (int(r) for r in args.rows.split(",")):
+            with torch.inference_mode():
+                by_kv = spread(model, ctx, args.spread, rows, dtypes)
+            for kv, ms in by_kv.items():
+                print(f"{args.spread} forwards of {rows} rows ({args.weights}, {kv} cache, {args.context} "
+                      f"cached, {args.threads} threads): " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))
         return
     dtype = torch.bfloat16 if args.weights == "bf16" else torch.float32
     hf = AutoModelForCausalLM.from_pretrained(str(src.hf_dir), dtype=dtype).eval()

@@ -153,7 +153,7 @@ inline void widened_chunk(const float* p, int64_t j0, const float* w, int64_t n,
 
 // weighted_sums_rows' result (the same additions in the same order, lane by lane) over fp16
 // values: a chunk of values at a time widened into L1 and used by every lane before the next
-// (reading fp16 values converts each load: ~1.8x the fp32 time where a pass holds several rows)
+// (a conversion at every load made a pass of several rows far slower than on fp32: docs/kernels.md)
 template <int ND>
 void weighted_sums_widened(const float* p, const at::Half* v, int64_t ldv, int64_t S, const float* inv,
                            float* const* out, int64_t lanes) {
