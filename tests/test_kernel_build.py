@@ -294,6 +294,18 @@ def test_kernel_sources_hold_no_measured_figures_and_no_long_files():
     assert all(p.name in doc for p in _sources()), "docs/kernels.md lists every source file"
 
 @needs
+def test_setting_the_kernels_up_again_loads_the_same_build(monkeypatch):
+    """A second setup in the process (a test's switch, a reset state) keys the same build: the
+    flags handed to torch's build are copies, so its own additions do not change the key (each
+    setup compiled a new build, ~65 s, four times in the test suite)."""
+    before = (list(kernels.CFLAGS), list(kernels.LDFLAGS))
+    first = kernels.state().build_dir
+    monkeypatch.setattr(kernels, "_STATE", None)
+    assert kernels.state().build_dir == first
+    assert (kernels.CFLAGS, kernels.LDFLAGS) == before
+
+
+@needs
 def test_without_avx512_vnni_the_codes_run_on_fma(monkeypatch):
     """The CPU flag gate: no integer dot products are packed, and the codes still run (fp32 FMA)."""
     from test_quant import gguf_tiny_target

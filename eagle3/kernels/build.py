@@ -191,8 +191,10 @@ def build(name: str, sources: Sequence[Path], cflags: list[str], ldflags: list[s
                   file=sys.stderr, flush=True)
         start = time.perf_counter()
         try:
-            module = load(f"{name}_{key}", [str(s) for s in sources], extra_cflags=cflags,
-                          extra_ldflags=ldflags, build_directory=str(build_dir), verbose=False)
+            # copies: torch's load appends its own flags to the lists it is given, and a second
+            # setup in the process then keyed (and compiled) a new build
+            module = load(f"{name}_{key}", [str(s) for s in sources], extra_cflags=list(cflags),
+                          extra_ldflags=list(ldflags), build_directory=str(build_dir), verbose=False)
         except BaseException:
             if fresh:
                 print(" failed", file=sys.stderr, flush=True)
