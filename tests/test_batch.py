@@ -236,7 +236,8 @@ def watch_steps(worker, gather: int = 0) -> StepLog:
     def watched():
         if seen.gather:
             deadline = time.monotonic() + 30
-            while (len(worker.scheduler.running) + worker.waiting < seen.gather
+            sched = worker.scheduler            # running, admitted but not yet running, queued
+            while (len(sched.running) + len(sched.waiting) + worker.waiting < seen.gather
                    and time.monotonic() < deadline):
                 time.sleep(0.002)
             seen.gather = 0
