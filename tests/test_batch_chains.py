@@ -88,20 +88,28 @@ def test_accepted_and_rejected_chains_leave_sampled_outputs_as_plain(target, alo
     """Chains that are mostly right, wrong at known places, for seeded sampling and greedy
     requests: the rows past a rejected guess are dropped from the slot and every output is plain
     decoding's alone."""
-    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=max_batch, max_model_len=CTX,
-                           prefill_chunk=8, chain_costs=CHEAP_ROWS)
-    reqs = []
-    for p, params in zip(PROMPTS, PARAMS):
-        req = sched.add(p, params)
-        req.chain = OracleChain(req, alone.generate(prompt_ids=p, params=params, speculative=False).token_ids)
-        reqs.append(req)
-    chunks = drain(sched)
+    _, reqs = run_oracles(target, alone, OracleChain, max_batch, CHEAP_ROWS)
     for req in reqs:
-        assert [t for c in chunks[req.id] for t in c.token_ids] == req.chain.truth
         steps = req.output.steps
         assert sum(s.accepted for s in steps) >= len(req.chain.truth) // 4
         assert any(s.accepted < s.proposed for s in steps)      # some chains were cut
         assert req.chain.chains == sum(1 for s in steps if s.proposed)
+
+
+def run_oracles(target, alone, oracle, max_batch: int, costs):
+    """PROMPTS decoded in a batch, each request's guesses from `oracle` (a ChainState that knows
+    its plain output alone): every output must be that output. -> (scheduler, requests)"""
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=max_batch, max_model_len=CTX,
+                           prefill_chunk=8, chain_costs=costs)
+    reqs = []
+    for p, params in zip(PROMPTS, PARAMS):
+        req = sched.add(p, params)
+        req.chain = oracle(req, alone.generate(prompt_ids=p, params=params, speculative=False).token_ids)
+        reqs.append(req)
+    chunks = drain(sched)
+    for req in reqs:
+        assert [t for c in chunks[req.id] for t in c.token_ids] == req.chain.truth
+    return sched, reqs
 
 
 def test_no_chain_runs_where_rows_cost_a_forward_each(target, alone, one_thread):
@@ -501,16 +509,7 @@ def test_trees_in_a_batch_leave_sampled_outputs_as_plain(target, alone, one_thre
     seeded sampling requests together: every output is plain decoding's alone, the paths through
     the alternate were taken and their rows kept, and the sources' acceptance counts each branch."""
     nearly_free = lambda rows: 10.0 + 0.01 * rows     # noqa: E731  every guessed node is taken
-    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=max_batch, max_model_len=CTX,
-                           prefill_chunk=8, chain_costs=nearly_free)
-    reqs = []
-    for p, params in zip(PROMPTS, PARAMS):
-        req = sched.add(p, params)
-        req.chain = OracleTree(req, alone.generate(prompt_ids=p, params=params, speculative=False).token_ids)
-        reqs.append(req)
-    chunks = drain(sched)
-    for req in reqs:
-        assert [t for c in chunks[req.id] for t in c.token_ids] == req.chain.truth
+    sched, reqs = run_oracles(target, alone, OracleTree, max_batch, nearly_free)
     greedy = [r for r in reqs if r.params.greedy]
     assert all(r.chain.alt.hits >= 4 for r in greedy)           # paths through the alternate
     assert all(r.chain.hits >= 4 for r in greedy)               # and through the chain

@@ -222,7 +222,7 @@ class BatchScheduler(Scheduler):
                 kept = len(tokens) - 1
                 self.cache.keep(req.slot, blk.start, path)      # the path taken, in order
                 req.fed += 1 + kept
-                self._features(req, aux, [blk.first_row + r for r in path])
+                self._features(req, aux, path_rows(blk.first_row, path))
                 g.observe(req.chain if g.source == "suffix" else req.chain.draft, path)
                 done = Step(tokens, kept, verify_s=step_s, proposed=len(ids) - 1,
                             accepted_suffix=kept if g.source == "suffix" else 0, arm=g.source)
@@ -231,7 +231,7 @@ class BatchScheduler(Scheduler):
                 emitted.append(self._emit(req, done))
                 continue
             req.fed += len(ids)
-            self._features(req, aux, range(blk.first_row, blk.first_row + len(ids)))
+            self._features(req, aux, slice(blk.first_row, blk.first_row + len(ids)))
             if not decodes and self.prefixes is not None and not req.out_ids and not req.prefilling:
                 self.prefixes.store(self.cache, req.slot, req.prompt_ids)   # its prompt, for later
             if decodes or (not req.prefilling and not req.out_ids):
@@ -262,11 +262,11 @@ class BatchScheduler(Scheduler):
         return lambda k: (spend.added_ms(step, k)
                           + later * min(1.0, (1 + expected_tokens(d.rate, k)) / max(room, 1)))
 
-    def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], rows) -> None:
+    def _features(self, req: BatchRequest, aux: Optional[torch.Tensor], rows: slice | list[int]) -> None:
         """The target's features at the forward's `rows` (the request's tokens fed this step, in
         order), for its draft chain."""
         if aux is not None and req.chain is not None and req.chain.draft is not None:
-            req.chain.draft.wait(aux[list(rows)])
+            req.chain.draft.wait(aux[rows])
 
     def _chains(self, decoders: list[BatchRequest], rows: int) -> dict[int, Guess]:
         """{request id: its guess} for the decoding requests whose guesses pay this step
@@ -398,3 +398,9 @@ class BatchScheduler(Scheduler):
             req.slot = None
         if req in self.running:
             self.running.remove(req)
+
+
+def path_rows(first: int, path: list[int]) -> slice | list[int]:
+    """The forward's rows of a block's path taken (block rows, from 0, increasing): a slice where
+    they run in order (a chain's, read without a copy), else the rows themselves."""
+    return slice(first, first + len(path)) if path[-1] == len(path) - 1 else [first + r for r in path]

@@ -105,6 +105,8 @@ class ChainState(Rolling):
     draft: Optional["DraftChain"] = None
     accepted: float = SUFFIX_PRIOR_ACCEPTED
     alt: Rolling = field(default_factory=lambda: Rolling(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED))
+    # the index's candidates for its current length (guess and alternate ask it once a step)
+    _proposed: Optional[tuple[int, list]] = field(default=None, repr=False, compare=False)
 
     def guess(self, most: int) -> list[int]:
         """The continuation its index proposes now, at most `most` tokens (and within `cap`);
@@ -119,7 +121,11 @@ class ChainState(Rolling):
     def _candidate(self, rank: int, most: int) -> list[int]:
         if most < 1:
             return []
-        cands = [c for c in self.index.propose(most) if c.match_len >= CHAIN_MIN_MATCH]
+        n = len(self.index.tokens)           # the index only grows: its length names its state
+        if self._proposed is None or self._proposed[0] != n:
+            self._proposed = (n, [c for c in self.index.propose(CHAIN_MAX_TOKENS)
+                                  if c.match_len >= CHAIN_MIN_MATCH])
+        cands = self._proposed[1]
         return cands[rank].tokens[:most] if len(cands) > rank else []
 
 
