@@ -115,6 +115,10 @@ def build_layouts(target, draft, weights: str = "fp32", draft_weights: str = "au
         # low-precision weights amplify last-bit differences: keep verify == decode bit for bit
         target = build_target(target, WEIGHT_DTYPES[weights], row_stable=weights != "fp32",
                               kv_cache_dtype=kv_cache_dtype)
+    if kv_cache_dtype != "auto" and not hasattr(target, "kv_dtype"):
+        raise InputError(f"kv_cache_dtype={kv_cache_dtype!r} needs the inference layout, which "
+                         f"{type(target).__name__} (weights={weights!r}) does not run; leave it "
+                         "'auto' for this target")
     if draft is not None and draft_weights != REFERENCE:
         choice = resolve_draft_weights(draft_weights, draft) if draft.device.type == "cpu" else "fp32"
         dtype = draft_weight_dtype("auto") if choice == "q4" else WEIGHT_DTYPES[choice]  # q4: past its rows

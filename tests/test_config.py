@@ -86,6 +86,10 @@ def test_load_engine_runs_the_config(monkeypatch):
     assert packed.target.kv_dtype == packed.target.backend.kv_dtype     # fp32 weights: a full cache
     half = api.load_engine("m", draft="none", config=RunConfig(weights="fp32", kv_cache_dtype="fp16"))
     assert half.target.kv_dtype == torch.float16 and half.cache.k.dtype == torch.float16
+    # a target the layout does not cover keeps its own cache: asking for another is an error
+    from eagle3.errors import InputError
+    with pytest.raises(InputError, match="kv_cache_dtype='fp16' needs the inference layout"):
+        api.build_layouts(object(), None, "fp32", kv_cache_dtype="fp16")
     assert asked == [True]
 
 
