@@ -19,6 +19,8 @@ from eagle3 import kernels  # noqa: E402
 from eagle3.errors import InputError, LoadError  # noqa: E402
 from eagle3.runtime.quant import (GgufWeights, QuantCodes, check_codes, llama_row_order,  # noqa: E402
                                   read_gguf_codes, unpack)
+from eagle3.models.config import ModelConfig  # noqa: E402
+from eagle3.models.llama import LlamaModel  # noqa: E402
 from eagle3.runtime.target import build_target  # noqa: E402
 
 from spec_helpers import StubTokenizer, tiny_draft, tiny_target  # noqa: E402
@@ -227,11 +229,13 @@ def test_llama_row_order_undoes_the_ggufs_rotary_interleave():
 
 
 # ---------------------------------------------------------------------------- tiny targets
-def gguf_tiny_target(type_name: str, seed: int = 0):
+def gguf_tiny_target(type_name: str, seed: int = 0, model=None):
     """A tiny target whose linear weights are a GGUF type's codes (the model holds their exact
-    dequantisation, as the loader's conversion does), and those codes."""
-    width = 256 if type_name in ("Q4_K", "Q6_K") else 64
-    model = tiny_target(seed=seed, vocab=64, hidden=width, intermediate=2 * width, layers=4, std=0.1)
+    dequantisation, as the loader's conversion does), and those codes. model: the target to put
+    the codes in (default: a tiny Llama as wide as the type's blocks need)."""
+    if model is None:
+        width = 256 if type_name in ("Q4_K", "Q6_K") else 64
+        model = tiny_target(seed=seed, vocab=64, hidden=width, intermediate=2 * width, layers=4, std=0.1)
     codes = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         if p.dim() != 2 or name == "embed_tokens.weight":
@@ -264,6 +268,60 @@ def test_a_target_on_the_codes_gives_the_fp32_models_logits(type_name):
     # products whose offsets met the unrounded inputs were 3-5x further on Q4_0 / Q4_1)
     fp32_error = (model(ids, pos, model.new_cache(32)).logits.double() - want).abs().max()
     assert (got.double() - want).abs().max() <= 2 * fp32_error
+
+
+def head_dim_64_target(arch: str) -> LlamaModel:
+    """A tiny target with the one-row layer's head_dim (64; 4 heads over 2 kv heads), a Llama or a
+    Qwen2 (q/k/v biases)."""
+    torch.manual_seed(5)
+    cfg = ModelConfig.from_hf({"architectures": [arch], "vocab_size": 64, "hidden_size": 256,
+                               "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
+                               "num_key_value_heads": 2, "max_position_embeddings": 256})
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.normal_(0.0, 0.1)
+    return model.eval()
+
+
+@needs_vnni
+@pytest.mark.parametrize("type_name", TYPES)
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_a_decode_step_in_one_parallel_region_gives_the_composite_calls_bits(type_name, arch):
+    """A one-row decode step on one-byte inputs runs every layer in one parallel region (the
+    kernels' LayerStack) or each layer in one (decoder_layer's one-row case): the same row parts
+    as the composite call, so the same logits, captured features and cache, bit for bit, on either
+    cache type."""
+    model, codes = gguf_tiny_target(type_name, model=head_dim_64_target(arch))
+    for kv in ("fp16", "fp32"):
+        layout = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs(),
+                              kv_cache_dtype=kv)
+        k = layout.backend.kernels
+        assert layout.stack is not None
+        assert all(k.LayerStack([layer.one_call], 256, 64).applies for layer in layout.layers)
+        stack, runs = layout.stack, {}
+        for mode in ("stack", "layer", "composite"):
+            layout.stack = stack if mode == "stack" else None
+            k.set_one_region(mode != "composite")
+            try:
+                cache = layout.new_cache(40)
+                out = layout(torch.arange(3, 13)[None], torch.arange(10)[None], cache)
+                steps = []
+                for _ in range(12):
+                    token = out.logits[0, -1].argmax().view(1, 1)
+                    out = layout(token, torch.tensor([[cache.length]]), cache, capture_ids=(0, 2))
+                    steps.append((out.logits, out.aux, out.hidden))
+            finally:
+                layout.stack = stack
+                k.set_one_region(True)
+            runs[mode] = (steps, cache.k[:, :, :, :cache.length], cache.v[:, :, :, :cache.length])
+        want_steps, want_k, want_v = runs["composite"]
+        for mode in ("stack", "layer"):
+            got_steps, got_k, got_v = runs[mode]
+            assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v), (mode, kv)
+            for got, want in zip(got_steps, want_steps):
+                assert all(torch.equal(g, w) for g, w in zip(got, want)), (mode, kv)
 
 
 def exact_logits(model, ids, pos, byte_inputs: bool = False) -> torch.Tensor:

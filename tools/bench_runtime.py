@@ -6,12 +6,15 @@ runtime vs HF transformers in the same run, and plain greedy tokens/s of both.
     python tools/bench_runtime.py --weights gguf --spread 3000     # ours alone, no HF
     python tools/bench_runtime.py --weights gguf --spread 600 --context 1000 --rows 1,8 \
         --kv-cache-dtype fp32,fp16                                  # two caches, alternated
+    python tools/bench_runtime.py --weights gguf --spread 600 --layer-path stack,layer,composite
 
 --spread N times N one-token forwards of ours alone and prints their fastest, tenth percentile,
 median and ninetieth percentile: on a VM whose speed drifts, the fastest and the tenth percentile
 tell two builds apart where the median does not. With --rows, blocks of that many new tokens
 (a verify block's rows) instead of one. With several --kv-cache-dtype values, the same layout runs
-on one cache of each type, forward for forward in turn, so a drift of the VM hits all alike.
+on one cache of each type, forward for forward in turn, so a drift of the VM hits all alike; so do
+several --layer-path values (how a one-row step goes through the layers: all in one parallel
+region, a region per layer, or the composite call with a region per op).
 
 --weights bf16 packs our target as load_engine(weights="bf16") does (bf16 GEMM weights, row-stable
 attention) and loads HF transformers in bf16 too.
@@ -70,30 +73,52 @@ def time_hf(hf, ctx: torch.Tensor, k: int, reps: int) -> float:
     return statistics.median(times[2:])
 
 
-def spread(model, ctx: torch.Tensor, n: int, rows: int = 1, kv_dtypes=(None,)) -> dict:
+LAYER_PATHS = ("stack", "layer", "composite")
+
+
+def use_layer_path(model, path: str, stack) -> None:
+    """Which path a one-row step takes through the layers: every layer in one parallel region
+    (the kernels' LayerStack: the default where it applies), each layer in one (decoder_layer's
+    one-row case), or the composite call (a parallel region per op)."""
+    model.stack = stack if path == "stack" else None
+    if model.backend.kernels is not None:
+        model.backend.kernels.set_one_region(path != "composite")
+
+
+def spread(model, ctx: torch.Tensor, n: int, rows: int = 1, kv_dtypes=(None,), paths=(None,)) -> dict:
     """ms of n forwards of `rows` new tokens on the cached context, on a cache of each of
-    kv_dtypes (None: the layout's own) in turn: {dtype: fastest, p10, median, p90}."""
+    kv_dtypes (None: the layout's own) and each layer path of `paths` (None: the default), in
+    turn: {"dtype" or "dtype path": fastest, p10, median, p90}."""
     from eagle3.models.kv_cache import KVCache
     cfg, length = model.config, ctx.shape[1]
     new = torch.randint(0, cfg.vocab_size, (1, rows), generator=torch.Generator().manual_seed(1))
+    stack = getattr(model, "stack", None)
     caches = {}
     for dt in kv_dtypes:
         dt = dt or model.kv_dtype
-        caches[dt] = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, length + rows + 8, 1, dt)
-        model(ctx, torch.arange(length), caches[dt])
+        for path in paths:
+            caches[(dt, path)] = KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, length + rows + 8, 1, dt)
+            model(ctx, torch.arange(length), caches[(dt, path)])
     pos = torch.arange(length, length + rows)
-    times = {dt: [] for dt in caches}
-    for i in range(n + 20):
-        for dt, cache in caches.items():
-            cache.truncate(length)
-            t0 = CLOCK()
-            model(new, pos, cache)
-            if i >= 20:
-                times[dt].append(1e3 * (CLOCK() - t0))
+    times = {key: [] for key in caches}
+    try:
+        for i in range(n + 20):
+            for (dt, path), cache in caches.items():
+                if path is not None:
+                    use_layer_path(model, path, stack)
+                cache.truncate(length)
+                t0 = CLOCK()
+                model(new, pos, cache)
+                if i >= 20:
+                    times[(dt, path)].append(1e3 * (CLOCK() - t0))
+    finally:
+        if paths != (None,):
+            use_layer_path(model, "stack", stack)
     out = {}
-    for dt, t in times.items():
+    for (dt, path), t in times.items():
         t.sort()
-        out[str(dt).removeprefix("torch.")] = {"min": t[0], "p10": t[n // 10], "median": t[n // 2],
+        name = str(dt).removeprefix("torch.") + ("" if path is None else f" {path}")
+        out[name] = {"min": t[0], "p10": t[n // 10], "median": t[n // 2],
                                                 "p90": t[9 * n // 10]}
     return out
 
@@ -131,6 +156,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1", help="--spread: new tokens a forward, comma-separated")
     ap.add_argument("--kv-cache-dtype", default="auto",
                     help="--spread: the KV cache, or several comma-separated (fp32,fp16) run in turn")
+    ap.add_argument("--layer-path", default=None,
+                    help="--spread: one-row steps through " + " / ".join(LAYER_PATHS) + ", or several "
+                         "comma-separated run in turn (default: the layout's own)")
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
@@ -144,9 +172,12 @@ def main() -> None:
     if args.spread:
         kinds = {"auto": None, "fp32": torch.float32, "fp16": torch.float16}
         dtypes = [kinds[k] for k in args.kv_cache_dtype.split(",")]
+        paths = tuple(args.layer_path.split(",")) if args.layer_path else (None,)
+        if any(p not in LAYER_PATHS for p in paths):
+            ap.error(f"--layer-path {args.layer_path}: choose from {', '.join(LAYER_PATHS)}")
         for rows in (int(r) for r in args.rows.split(",")):
             with torch.inference_mode():
-                by_kv = spread(model, ctx, args.spread, rows, dtypes)
+                by_kv = spread(model, ctx, args.spread, rows, dtypes, paths)
             for kv, ms in by_kv.items():
                 print(f"{args.spread} forwards of {rows} rows ({args.weights}, {kv} cache, {args.context} "
                       f"cached, {args.threads} threads): " + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()))

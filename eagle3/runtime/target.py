@@ -17,7 +17,7 @@ from ..models.kv_cache import KVCache, SlotCache, SlotRows
 from ..models.layers import causal_block_mask
 from ..models.llama import ForwardOutput, LlamaModel, as_block, rows_of
 from .backend import Backend, choose_backend
-from .layer import FastLayer, norm_of
+from .layer import KERNEL_KV, FastLayer, norm_of
 from .linear import PackedLinear
 from .quant import GgufWeights, check_codes
 
@@ -39,6 +39,16 @@ class InferenceTarget:
         head = codes.get("lm_head.weight")
         self.lm_head = PackedLinear(model.lm_head.weight, None, backend, [head] if head is not None else None)
         self.kv_dtype = kv_dtype_for(kv_cache_dtype, backend, self.linears)
+        self.stack = self._layer_stack()
+
+    def _layer_stack(self):
+        """csrc/kernels.h LayerStack: a one-row decode step through every layer in one parallel
+        region, where each layer runs on the one-call path with one-digit GGUF codes (else None)."""
+        calls = [layer.one_call for layer in self.layers]
+        if self.backend.kernels is None or not calls or any(c is None for c in calls):
+            return None
+        stack = self.backend.kernels.LayerStack(calls, self.config.hidden_size, self.config.head_dim)
+        return stack if stack.applies else None
 
     @property
     def device(self) -> torch.device:
@@ -129,6 +139,12 @@ class InferenceTarget:
         attn_mask = self.backend.prepare_mask(attn_mask)
         cos, sin = self.rotary(positions)
         h = self.embed_tokens(input_ids)
+        if (self.stack is not None and seq == 1 and attn_mask is None and cache.k.shape[1] == 1
+                and cache.k.dtype in KERNEL_KV):
+            # a decode step of one sequence: every layer in one C++ call and one parallel region
+            h, aux = self.stack.decode(h.contiguous(), cos, sin, cache.k, cache.v, start, sorted(capture))
+            cache.advance(seq)
+            return h, [aux] if capture else []
         feats = []
         for i, layer in enumerate(self.layers):
             if i in capture:

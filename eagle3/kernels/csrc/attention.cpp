@@ -5,7 +5,8 @@
 // A kv head's query heads share its keys and values in one pass; a run of query rows of one
 // sequence shares one pass over the keys (a zmm lane per row and head), each row adding exactly as
 // it does alone, so a row's bits never depend on the call's other rows (a tree node's, decoded in a
-// verify block, equal its path's decoded alone). It does not own the rotary embedding nor the cache
+// verify block, equal its path's decoded alone). A lone row's heads of one kv head are lone_row,
+// which the one-row layer (layer.cpp) also runs. It does not own the rotary embedding nor the cache
 // write (norm_rope.cpp: rope_qkv).
 #include "kernels.h"
 
@@ -300,6 +301,94 @@ void attention_lanes(const float* const* q, float* const* out, int64_t rows, int
 
 }  // namespace
 
+// One query row of one kv head's `heads` query heads (qrow, orow in `s`) over keys [0, S) where
+// the mask row (if any) lets it: scores, max, exponentials, a sum over the keys in order, the
+// weighted sums in order. Every head's arithmetic is its own (heads share only the loads of the
+// values), so a head gets the same bits in an item of one head or of its whole group, and the
+// same as its lane in attention_lanes. nk, nv, nS: the next item's keys and values, prefetched a
+// share per block of 16 keys (null: none).
+template <typename KV>
+void lone_row(int64_t heads, const KV* kb, int64_t ldk, const KV* vb, int64_t ldv, int64_t S, int64_t D,
+              const bool* mr, float scale, const KV* nk, const KV* nv, int64_t nS, RowScratch& s) {
+  const int64_t ld = S + 16;                 // one score row per head
+  if ((int64_t)s.sc.size() < heads * ld) s.sc.resize(heads * ld);
+  float* sc = s.sc.data();
+  float* mx = s.mx.data();
+  for (int64_t i = 0; i < heads; ++i) {
+    s.prow[i] = sc + i * ld;
+    mx[i] = -INFINITY;
+  }
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    const int64_t n = std::min<int64_t>(16, S - s0);
+    if (nk) {
+      const int64_t lo = s0 * nS / S, hi = std::min<int64_t>(S, s0 + 16) * nS / S;
+      prefetch_rows(nk + lo * ldk, ldk, hi - lo, D);
+      prefetch_rows(nv + lo * ldv, ldv, hi - lo, D);
+    }
+    __mmask16 live = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
+    if (mr)
+      for (int64_t j = 0; j < n; ++j)
+        if (!mr[s0 + j]) live &= (__mmask16)~(1u << j);
+    for (int64_t i = 0; i < heads; ++i) {
+      const __m512 x = _mm512_mul_ps(dots16(s.qrow[i], kb + s0 * ldk, ldk, n, D), _mm512_set1_ps(scale));
+      const __m512 xs = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x);
+      _mm512_storeu_ps(sc + i * ld + s0, xs);
+      mx[i] = std::max(mx[i], _mm512_reduce_max_ps(xs));
+    }
+  }
+  for (int64_t i = 0; i < heads; ++i) {
+    float* si = sc + i * ld;
+    for (int64_t k = 0; k < S; k += 16) {
+      const __mmask16 m = S - k >= 16 ? 0xFFFF : (__mmask16)((1u << (S - k)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(m, si + k);
+      const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+      _mm512_mask_storeu_ps(si + k, m, _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx[i])))));
+    }
+  }
+  // sums run over the keys in order, one at a time: masked keys add exact zeros, so a tree
+  // node whose ancestors sit between masked siblings gets the bits of its path decoded alone
+  // (in registers, up to three rows' chains interleaved)
+  float* sum = s.sum.data();
+  for (int64_t i = 0; i < heads;) {
+    const float* r0p = sc + i * ld;
+    if (heads - i >= 3) {
+      const float *r1p = r0p + ld, *r2p = r1p + ld;
+      float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
+      for (int64_t k = 0; k < S; ++k) a0 += r0p[k], a1 += r1p[k], a2 += r2p[k];
+      sum[i] = a0, sum[i + 1] = a1, sum[i + 2] = a2;
+      i += 3;
+    } else {
+      float a0 = 0.0f;
+      for (int64_t k = 0; k < S; ++k) a0 += r0p[k];
+      sum[i++] = a0;
+    }
+  }
+  // a row that may attend to nothing (padding) gets zeros, as SDPA gives, not 0 * inf = NaN
+  float* inv = s.inv.data();
+  for (int64_t i = 0; i < heads; ++i) inv[i] = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
+  if (D == 64) {
+    weighted_sums_rows<4>(s.prow.data(), 1, vb, ldv, S, inv, s.orow.data(), heads);
+  } else if (D == 128) {
+    weighted_sums_rows<8>(s.prow.data(), 1, vb, ldv, S, inv, s.orow.data(), heads);
+  } else {
+    if ((int64_t)s.acc.size() < D) s.acc.resize(D);
+    float* acc = s.acc.data();
+    for (int64_t i = 0; i < heads; ++i) {
+      std::fill(acc, acc + D, 0.0f);
+      for (int64_t j = 0; j < S; ++j) {
+        const KV* vr = vb + j * ldv;
+        for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(s.prow[i][j], widen(vr[d]), acc[d]);
+      }
+      for (int64_t d = 0; d < D; ++d) s.orow[i][d] = acc[d] * inv[i];
+    }
+  }
+}
+
+template void lone_row<float>(int64_t, const float*, int64_t, const float*, int64_t, int64_t, int64_t,
+                              const bool*, float, const float*, const float*, int64_t, RowScratch&);
+template void lone_row<at::Half>(int64_t, const at::Half*, int64_t, const at::Half*, int64_t, int64_t, int64_t,
+                                 const bool*, float, const at::Half*, const at::Half*, int64_t, RowScratch&);
+
 // q [B, Hq, T, D] fp32 contiguous; k, v [B, Hkv, S, D] fp32 views with unit stride on D (a cache
 // prefix); mask: None, or bool broadcastable as [B|1, 1, T, S] contiguous (True = may attend).
 // One work item is the `group` query heads of one kv head at one query position: they share
@@ -343,16 +432,20 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float scale = 1.0f / std::sqrt((float)D);
-  const int64_t ld = S_all + 16;              // one score row per head of the item
   // Work items: one kv head's `group` query heads at a run of query rows of one sequence. A run of
   // rows shares one pass over the keys (attention_lanes: up to 16 / group rows, a lane per row and
   // head) where D is 64 or 128; else, and for a lone row, a row is an item of its own. A pass costs
   // about what two rows alone cost whatever its lanes, so runs of 1-2 rows go row by row, longer
   // ones in as few passes as the lanes allow, at least one item per thread (measured:
   // docs/kernels.md).
-  struct Item { int64_t b, g, t0, n; };
+  // A lone row's item may hold only some of its group's heads (h0, hn): a decode step has one
+  // item per kv head (3 for SmolLM2, on 2 threads one of them ran two), so where items are few
+  // each head is an item of its own. A head's arithmetic is the same either way (its heads share
+  // only the loads of the values), so the bits do not change.
+  struct Item { int64_t b, g, t0, n, h0 = 0, hn = 0; };
+  const int64_t threads = std::max(1, at::get_num_threads());
   const int64_t lane_rows = (D == 64 || D == 128) && group <= 8 ? 16 / group : 1;
-  const int64_t min_blocks = (at::get_num_threads() + B * Hkv - 1) / (B * Hkv);  // a thread each
+  const int64_t min_blocks = (threads + B * Hkv - 1) / (B * Hkv);  // a thread each
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t g = 0; g < Hkv; ++g)
@@ -362,17 +455,26 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         const int64_t nb = lane_rows == 1 || run < 3 ? run
             : std::min(run, std::max((run + lane_rows - 1) / lane_rows, min_blocks));
         for (int64_t i = 0; i < nb; ++i)     // blocks as even as possible
-          items.push_back({b, g, t + run * i / nb, run * (i + 1) / nb - run * i / nb});
+          items.push_back({b, g, t + run * i / nb, run * (i + 1) / nb - run * i / nb, 0, group});
         t += run;
       }
+  if (threads > 1 && group > 1 && (int64_t)items.size() < 2 * threads) {   // lone rows: a head each
+    std::vector<Item> heads;
+    for (const Item& it : items) {
+      if (it.n > 1) heads.push_back(it);
+      else
+        for (int64_t i = 0; i < group; ++i) heads.push_back({it.b, it.g, it.t0, 1, i, 1});
+    }
+    items.swap(heads);
+  }
   // kp, vp: the cache's fp32 or fp16 elements
   auto run = [&](const auto* kp, const auto* vp) {
   at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t r0, int64_t r1) {
     using KV = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
-    std::vector<float> sc(group * ld), mx(group), sum(group), inv(group), acc(D);
-    std::vector<const float*> qrow(group), prow(group);
-    std::vector<float*> orow(group);
-    std::vector<float> qt, sc16, wide(std::is_same_v<KV, float> ? 0 : 64 * D + 16);
+    RowScratch scratch(group);
+    std::vector<float> qt, sc16;
+    // attention_lanes' scratch for fp16 values (no zero fill: it writes before it reads)
+    std::unique_ptr<float[]> wide(std::is_same_v<KV, float> ? nullptr : new float[64 * D + 16]);
     for (int64_t r = r0; r < r1; ++r) {
       const Item& it = items[r];
       const int64_t b = it.b, g = it.g, t = it.t0;
@@ -400,16 +502,16 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         sc16.resize(16 * (S + 1));
         if (D == 64)
           attention_lanes<4>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
-                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.data());
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.get());
         else
           attention_lanes<8>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
-                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.data());
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.get());
         continue;
       }
       const int64_t S = rows ? row_keys[t] : S_all;
       const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
       // the cache rows come from memory (a batch's slots far exceed the caches): the next item's
-      // keys and values stream in while this one computes its scores, a share per block of keys
+      // keys and values stream in while this one computes its scores (lone_row)
       const KV *nk = nullptr, *nv = nullptr;
       int64_t nS = 0;
       if (r + 1 < r1) {
@@ -419,76 +521,13 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
         nk = kp + nkv * k.stride(0) + nx.g * k.stride(1);
         nv = vp + nkv * v.stride(0) + nx.g * v.stride(1);
       }
-      for (int64_t i = 0; i < group; ++i) {
-        const int64_t row = (b * Hq + g * group + i) * T + t;
-        qrow[i] = qp + row * D;
-        orow[i] = op + row * D;
-        prow[i] = sc.data() + i * ld;
-        mx[i] = -INFINITY;
+      const int64_t heads = it.hn;           // the item's heads of the group: h0 .. h0 + hn - 1
+      for (int64_t i = 0; i < heads; ++i) {
+        const int64_t row = (b * Hq + g * group + it.h0 + i) * T + t;
+        scratch.qrow[i] = qp + row * D;
+        scratch.orow[i] = op + row * D;
       }
-      for (int64_t s0 = 0; s0 < S; s0 += 16) {
-        const int64_t n = std::min<int64_t>(16, S - s0);
-        if (nk) {
-          const int64_t lo = s0 * nS / S, hi = std::min<int64_t>(S, s0 + 16) * nS / S;
-          prefetch_rows(nk + lo * k.stride(2), k.stride(2), hi - lo, D);
-          prefetch_rows(nv + lo * v.stride(2), v.stride(2), hi - lo, D);
-        }
-        __mmask16 live = n == 16 ? 0xFFFF : (__mmask16)((1u << n) - 1);
-        if (mr)
-          for (int64_t j = 0; j < n; ++j)
-            if (!mr[s0 + j]) live &= (__mmask16)~(1u << j);
-        for (int64_t i = 0; i < group; ++i) {
-          const __m512 x = _mm512_mul_ps(dots16(qrow[i], kb + s0 * k.stride(2), k.stride(2), n, D),
-                                         _mm512_set1_ps(scale));
-          const __m512 xs = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), live, x);
-          _mm512_storeu_ps(sc.data() + i * ld + s0, xs);
-          mx[i] = std::max(mx[i], _mm512_reduce_max_ps(xs));
-        }
-      }
-      for (int64_t i = 0; i < group; ++i) {
-        float* si = sc.data() + i * ld;
-        for (int64_t s = 0; s < S; s += 16) {
-          const __mmask16 m = S - s >= 16 ? 0xFFFF : (__mmask16)((1u << (S - s)) - 1);
-          const __m512 x = _mm512_maskz_loadu_ps(m, si + s);
-          const __mmask16 live = _mm512_mask_cmp_ps_mask(m, x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-          _mm512_mask_storeu_ps(si + s, m,
-                                _mm512_maskz_mov_ps(live, exp_neg(_mm512_sub_ps(x, _mm512_set1_ps(mx[i])))));
-        }
-        sum[i] = 0.0f;
-      }
-      // sums run over the keys in order, one at a time: masked keys add exact zeros, so a tree
-      // node whose ancestors sit between masked siblings gets the bits of its path decoded alone
-      // (in registers, up to three rows' chains interleaved)
-      for (int64_t i = 0; i < group;) {
-        const float* r0p = sc.data() + i * ld;
-        if (group - i >= 3) {
-          const float *r1p = r0p + ld, *r2p = r1p + ld;
-          float a0 = 0.0f, a1 = 0.0f, a2 = 0.0f;
-          for (int64_t s = 0; s < S; ++s) a0 += r0p[s], a1 += r1p[s], a2 += r2p[s];
-          sum[i] = a0, sum[i + 1] = a1, sum[i + 2] = a2;
-          i += 3;
-        } else {
-          float a0 = 0.0f;
-          for (int64_t s = 0; s < S; ++s) a0 += r0p[s];
-          sum[i++] = a0;
-        }
-      }
-      // a row that may attend to nothing (padding) gets zeros, as SDPA gives, not 0 * inf = NaN
-      for (int64_t i = 0; i < group; ++i) inv[i] = sum[i] > 0.0f ? 1.0f / sum[i] : 0.0f;
-      if (D == 64) {
-        weighted_sums_rows<4>(prow.data(), 1, vb, v.stride(2), S, inv.data(), orow.data(), group);
-      } else if (D == 128) {
-        weighted_sums_rows<8>(prow.data(), 1, vb, v.stride(2), S, inv.data(), orow.data(), group);
-      } else {
-        for (int64_t i = 0; i < group; ++i) {
-          std::fill(acc.begin(), acc.end(), 0.0f);
-          for (int64_t j = 0; j < S; ++j) {
-            const KV* vr = vb + j * v.stride(2);
-            for (int64_t d = 0; d < D; ++d) acc[d] = std::fma(prow[i][j], widen(vr[d]), acc[d]);
-          }
-          for (int64_t d = 0; d < D; ++d) orow[i][d] = acc[d] * inv[i];
-        }
-      }
+      lone_row(heads, kb, k.stride(2), vb, v.stride(2), S, D, mr, scale, nk, nv, nS, scratch);
     }
   });
   };

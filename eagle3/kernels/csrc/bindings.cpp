@@ -38,6 +38,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k_buf"), py::arg("v_buf"), py::arg("start"), py::arg("mask"),
         py::arg("slot_of_row") = py::none(), py::arg("index_of_row") = py::none(),
         py::arg("keys_of_row") = py::none());
+  py::class_<LayerStack>(m, "LayerStack", py::module_local(),
+                         "a forward's decoder layers for one-row decode steps in one parallel region")
+      .def(py::init<const std::vector<LayerWeights>&, int64_t, int64_t>(), py::arg("layers"), py::arg("hidden"),
+           py::arg("head_dim"))
+      .def_property_readonly("applies", &LayerStack::applies)
+      .def("decode", &LayerStack::decode, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("k"), py::arg("v"),
+           py::arg("start"), py::arg("capture"));
+  m.def("set_one_region", &set_one_region,
+        "a one-row decoder layer on one-digit GGUF codes in one parallel region (same bits; default on)");
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");
   m.def("integer_dot_peak", &integer_dot_peak, "vpdpbusd (zmm) retired a second over the threads",
         py::arg("reps") = 20000000);

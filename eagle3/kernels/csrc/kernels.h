@@ -4,6 +4,7 @@
 #pragma once
 
 #include "common.h"
+#include "quant.h"
 
 namespace eagle3 {
 
@@ -39,6 +40,28 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
                         c10::optional<torch::Tensor> slot_of_row = c10::nullopt,
                         c10::optional<torch::Tensor> keys_of_row = c10::nullopt);
 
+// ---- row parts: the entry points' arithmetic on raw rows, which the one-row layer (layer.cpp)
+// runs inside its one parallel region, so it gets their bits
+// norm_rope.cpp: one row of rms_norm; rope_qkv's rotary and cache write of one row (q heads at
+// q + h * q_stride, kv head h's k and v at k + h * k_stride, v + h * v_stride; rot: D floats of
+// scratch); silu_mul of one row (g: gate | up, 2I floats)
+void rms_norm_row(const float* x, const float* w, float eps, int64_t H, float* y);
+template <typename KV>
+void rope_row(const float* src, const float* c, const float* sn, int64_t Hq, int64_t Hkv, int64_t D,
+              float* q, int64_t q_stride, KV* k, int64_t k_stride, KV* v, int64_t v_stride, float* rot);
+void silu_mul_row(const float* g, int64_t I, float* out);
+
+// attention.cpp: a lone query row's heads of one kv head (attention's single-row item)
+struct RowScratch {
+  explicit RowScratch(int64_t heads) : mx(heads), sum(heads), inv(heads), qrow(heads), prow(heads), orow(heads) {}
+  std::vector<float> sc, mx, sum, inv, acc;
+  std::vector<const float*> qrow, prow;   // qrow: the heads' queries, set by the caller
+  std::vector<float*> orow;               // the heads' outputs, set by the caller
+};
+template <typename KV>
+void lone_row(int64_t heads, const KV* kb, int64_t ldk, const KV* vb, int64_t ldv, int64_t S, int64_t D,
+              const bool* mr, float scale, const KV* nk, const KV* nv, int64_t nS, RowScratch& s);
+
 // layer.cpp: one decoder layer's packed weights and shapes (built once per layer from Python)
 
 struct LayerWeights {
@@ -48,6 +71,41 @@ struct LayerWeights {
   int64_t num_heads = 0, num_kv_heads = 0, intermediate = 0;
   bool bf16 = false;
   bool amx = false;              // bf16 linears on AMX tiles (linear_bf16's amx)
+};
+
+
+// The one-row layer: a decode step of one sequence through layers whose linears are all one-digit
+// GGUF codes, in one parallel region (decoder_layer takes it for one layer; LayerStack for a
+// forward's layers in one region). Same bits as the composite call.
+void set_one_region(bool on);    // decoder_layer's one-row case on (default) or off
+
+struct RowLinear {
+  QuantPlan plan;
+  const uint8_t* base = nullptr;
+  const float* bias = nullptr;     // null: none
+};
+
+struct RowLayer {
+  LayerWeights w;
+  RowLinear lin[4];                // qkv, o, gate_up, down
+  int64_t H = 0, D = 0;
+  // false where the one-row layer does not take these weights (not all one-digit codes, bf16, a
+  // head_dim other than 64 or 128, widths not multiples of 32)
+  static bool make(const LayerWeights& w, int64_t H, int64_t D, RowLayer& out);
+};
+
+class LayerStack {
+ public:
+  LayerStack(const std::vector<LayerWeights>& weights, int64_t hidden, int64_t head_dim);
+  bool applies() const { return applies_; }
+  std::tuple<torch::Tensor, c10::optional<torch::Tensor>> decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
+                                                                torch::Tensor k, torch::Tensor v, int64_t start,
+                                                                std::vector<int64_t> capture) const;
+
+ private:
+  std::vector<LayerWeights> weights_;
+  std::vector<RowLayer> layers_;
+  bool applies_ = false;
 };
 
 torch::Tensor decoder_layer(torch::Tensor h, c10::optional<torch::Tensor> x_in, const LayerWeights& w,

@@ -2,7 +2,8 @@
 // pack_quant (the layout: quant.h). This file owns the packed header's checks, the exact path on
 // fp32 FMA for every code kind (the path of CPUs without AVX512-VNNI and of weights packed with
 // integer_dots=False), the AMX-INT8 switch (set_amx_int8), and each call's work: the rows' block
-// sums or digits, and which tile runs each group of 16 outputs. It does not own the integer dot
+// sums or digits, and which tile runs each group of 16 outputs (quant_plan reads the header,
+// quant_groups runs a range of groups: the one-row layer runs its share with them). It does not own the integer dot
 // products (linear_quant_vnni.cpp) nor the AMX-INT8 tiles (linear_amx.cpp).
 //
 // Per block and row: dot = sum_j x_j c_j (fp32 FMA, kChains interleaved partial sums), then
@@ -19,13 +20,7 @@ namespace {
 constexpr int64_t kQuantMagic = 0x5451474746;   // "FGGQT": the header with flags
 constexpr int64_t kHeaderWords = 5;
 
-struct QuantHeader {
-  std::vector<QuantSeg> segs;
-  bool integer_dots;           // flags bit 0
-  bool one_digit;              // flags bit 1 (with bit 0): inputs rounded to one byte per block
-};
-
-QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
+QuantPlan quant_header(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
   TORCH_CHECK(packed.scalar_type() == torch::kByte && packed.is_contiguous() && packed.numel() >= 8 * kHeaderWords,
               "packed quantized weight must be a contiguous uint8 tensor from pack_quant");
   const int64_t* h = reinterpret_cast<const int64_t*>(packed.data_ptr<uint8_t>());
@@ -54,7 +49,7 @@ QuantHeader quant_header(const torch::Tensor& packed, int64_t in_features, int64
     group0 += groups;
   }
   TORCH_CHECK(out0 == out_features, "segments cover ", out0, " outputs, expected ", out_features);
-  return {segs, (h[4] & 1) != 0, (h[4] & 2) != 0};
+  return {segs, (h[4] & 1) != 0, (h[4] & 2) != 0, group0};
 }
 
 // Each row's block dot product runs as kChains interleaved partial sums (input j into chain
@@ -188,6 +183,50 @@ const QuantGroupFn kQuantGroups[kQuantTile] = {quant_group<1>, quant_group<2>, q
 
 }  // namespace
 
+QuantPlan quant_plan(const torch::Tensor& packed, int64_t in_features, int64_t out_features) {
+  return quant_header(packed, in_features, out_features);
+}
+
+// The groups [g0, g1) of y [M, O] from the rows' inputs: linear_quant's parallel body (no bias),
+// and a share of a linear in the one-row layer's region (layer.cpp). tiles: 4-bit codes of blocks
+// of 8+ rows on AMX-INT8 (the caller decides).
+void quant_groups(const QuantPlan& plan, const uint8_t* base, const QuantRows& rows, int64_t M, int64_t g0,
+                  int64_t g1, float* yp, bool tiles) {
+  const auto& segs = plan.segs;
+  const int64_t nb32 = rows.nb32, O = segs.back().out0 + segs.back().out;
+  size_t s = 0;
+  int configured = 0;
+  (void)tiles, (void)configured;
+  for (int64_t grp = g0; grp < g1; ++grp) {
+    while (s + 1 < segs.size() && grp >= segs[s + 1].group0) ++s;
+#if EAGLE3_AMX_BUILT
+    if (tiles && segs[s].kind == 4) {
+      const QuantSeg& g = segs[s];
+      const int64_t blocks = rows.I / 32, local = grp - g.group0;
+      const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
+      const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
+      for (int64_t m0 = 0; m0 < M; m0 += kInt8TileRows) {
+        const int mt = (int)std::min<int64_t>(kInt8TileRows, M - m0);
+        if (mt != configured) amx_int8_configure(configured = mt);
+        amx_nibble_tile(rows.digits + m0 * nb32 * kDigitWords, rows.scale + m0 * nb32, rows.digit_sum + m0 * nb32,
+                        nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yp + m0 * O + g.out0 + local * kQuantLanes,
+                        O, valid, mt);
+      }
+      continue;
+    }
+#endif
+    if (plan.one_digit) {
+      for (int64_t m0 = 0; m0 < M; m0 += kOneDigitTile)
+        kByteGroups[std::min<int64_t>(kOneDigitTile, M - m0) - 1](segs[s], grp, base, rows, m0, yp, O);
+      continue;
+    }
+    for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {
+      const int mt = (int)std::min<int64_t>(kQuantTile, M - m0);
+      kQuantGroups[mt - 1](segs[s], grp, base, rows, m0, yp, O);
+    }
+  }
+}
+
 void set_amx_int8(bool on) {
   TORCH_CHECK(!on || amx_int8_available(), "set_amx_int8(True): this CPU or kernel grants no AMX-INT8 tiles");
   g_amx_int8.store(on);
@@ -236,42 +275,12 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor packed, c10::optional<
   }
   const QuantRows rows{xp, I, xsum.data(), nb32, digits.empty() ? nullptr : digits.data(), scale.data(),
                        digit_sum.data(), isum.data()};
-  const int64_t groups = segs.back().group0 + (segs.back().out + kQuantLanes - 1) / kQuantLanes;
   float* yp = y.data_ptr<float>();
   // one digit stays on VNNI: tiles measured no faster there (docs/kernels.md)
   const bool tiles = EAGLE3_AMX_BUILT && !digits.empty() && !header.one_digit && M >= kInt8MinRows &&
                      g_amx_int8.load();
-  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-    size_t s = 0;
-    int configured = 0;
-    for (int64_t grp = g0; grp < g1; ++grp) {
-      while (s + 1 < segs.size() && grp >= segs[s + 1].group0) ++s;
-#if EAGLE3_AMX_BUILT
-      if (tiles && segs[s].kind == 4) {
-        const QuantSeg& g = segs[s];
-        const int64_t blocks = I / 32, local = grp - g.group0;
-        const uint8_t* rec = base + g.offset + local * blocks * g.rec_bytes;
-        const int valid = (int)std::min<int64_t>(kQuantLanes, g.out - local * kQuantLanes);
-        for (int64_t m0 = 0; m0 < M; m0 += kInt8TileRows) {
-          const int mt = (int)std::min<int64_t>(kInt8TileRows, M - m0);
-          if (mt != configured) amx_int8_configure(configured = mt);
-          amx_nibble_tile(rows.digits + m0 * nb32 * kDigitWords, rows.scale + m0 * nb32, rows.digit_sum + m0 * nb32,
-                          nb32, rec, blocks, g.rec_bytes, g.scale_bytes, yp + m0 * O + g.out0 + local * kQuantLanes,
-                          O, valid, mt);
-        }
-        continue;
-      }
-#endif
-      if (header.one_digit) {
-        for (int64_t m0 = 0; m0 < M; m0 += kOneDigitTile)
-          kByteGroups[std::min<int64_t>(kOneDigitTile, M - m0) - 1](segs[s], grp, base, rows, m0, yp, O);
-        continue;
-      }
-      for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {
-        const int mt = (int)std::min<int64_t>(kQuantTile, M - m0);
-        kQuantGroups[mt - 1](segs[s], grp, base, rows, m0, yp, O);
-      }
-    }
+  at::parallel_for(0, header.groups, 1, [&](int64_t g0, int64_t g1) {
+    quant_groups(header, base, rows, M, g0, g1, yp, tiles);
   });
   if (bias) y.add_(*bias);
   return y;

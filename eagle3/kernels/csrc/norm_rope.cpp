@@ -4,7 +4,9 @@
 //              written into the cache, rounded as torch's composite ops round
 //   silu_mul:  the MLP's silu(gate) * up from the fused gate_up block [N, 2I] -> [N, I], each
 //              element on its own (e^x by exp_neg: within a few ulp of torch's silu, not its bits)
-// It does not own attention (attention.cpp) nor the linears.
+// Each has a row part (rms_norm_row, rope_row, silu_mul_row) that the entry point runs per row and
+// the one-row layer (layer.cpp) runs in its region. It does not own attention (attention.cpp) nor
+// the linears.
 #include "kernels.h"
 
 namespace eagle3 {
@@ -23,6 +25,56 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 }  // namespace
 
+void rms_norm_row(const float* x, const float* w, float eps, int64_t H, float* y) {
+  const float scale = 1.0f / std::sqrt(dot(x, x, H) / (float)H + eps);
+  for (int64_t i = 0; i < H; ++i) y[i] = x[i] * scale * w[i];
+}
+
+template <typename KV>
+void rope_row(const float* src, const float* c, const float* sn, int64_t Hq, int64_t Hkv, int64_t D,
+              float* q, int64_t q_stride, KV* k, int64_t k_stride, KV* v, int64_t v_stride, float* rot) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < Hq + 2 * Hkv; ++h) {
+    const float* x = src + h * D;
+    if (h >= Hq + Hkv) {
+      KV* dst = v + (h - Hq - Hkv) * v_stride;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<KV>(x[d]);
+      continue;
+    }
+    float* dst = h < Hq ? q + h * q_stride : rot;
+    for (int64_t d = 0; d < half; ++d) {
+      const float a = x[d] * c[d], e = -x[d + half] * sn[d];
+      dst[d] = a + e;
+    }
+    for (int64_t d = half; d < D; ++d) {
+      const float a = x[d] * c[d], e = x[d - half] * sn[d];
+      dst[d] = a + e;
+    }
+    if (h >= Hq) {
+      KV* kd = k + (h - Hq) * k_stride;
+      for (int64_t d = 0; d < D; ++d) kd[d] = static_cast<KV>(rot[d]);
+    }
+  }
+}
+
+template void rope_row<float>(const float*, const float*, const float*, int64_t, int64_t, int64_t, float*,
+                              int64_t, float*, int64_t, float*, int64_t, float*);
+template void rope_row<at::Half>(const float*, const float*, const float*, int64_t, int64_t, int64_t, float*,
+                                 int64_t, at::Half*, int64_t, at::Half*, int64_t, float*);
+
+void silu_mul_row(const float* g, int64_t I, float* out) {
+  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
+  const float* u = g + I;
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 m = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
+    const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
+    const __m512 e = exp_neg(_mm512_or_ps(x, sign));              // e^-|x|
+    const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
+    const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_maskz_loadu_ps(m, u + i)));
+  }
+}
+
 // x [N, H] fp32 contiguous, w [H] fp32 -> [N, H]
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   expect(x, "x", torch::kFloat32);
@@ -34,11 +86,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = xp + r * H;
-      const float scale = 1.0f / std::sqrt(dot(xr, xr, H) / (float)H + (float)eps);
-      for (int64_t i = 0; i < H; ++i) yp[r * H + i] = xr[i] * scale * wp[i];
-    }
+    for (int64_t r = r0; r < r1; ++r) rms_norm_row(xp + r * H, wp, (float)eps, H, yp + r * H);
   });
   return y;
 }
@@ -62,7 +110,7 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && cos.is_contiguous() && sin.is_contiguous(),
               "qkv [B*T, W], cos/sin [B, 1, T, D] contiguous");
   TORCH_CHECK(cos.dim() == 4 && cos.size(1) == 1 && cos.sizes() == sin.sizes(), "cos/sin must be [B, 1, T, D]");
-  const int64_t B = cos.size(0), T = cos.size(2), D = cos.size(3), half = D / 2;
+  const int64_t B = cos.size(0), T = cos.size(2), D = cos.size(3);
   TORCH_CHECK(D % 2 == 0, "head_dim ", D, " must be even");
   TORCH_CHECK(qkv.size(0) == B * T && qkv.size(1) == (Hq + 2 * Hkv) * D,
               "qkv [", qkv.size(0), ", ", qkv.size(1), "] != [B*T, (Hq + 2 Hkv) * D] = [", B * T, ", ",
@@ -87,35 +135,14 @@ torch::Tensor rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, 
   // kp, vp: the cache's fp32 or fp16 elements (fp16: each fp32 result rounded to nearest even, as
   // torch's copy into an fp16 tensor rounds it)
   auto run = [&](auto* kp, auto* vp) {
-  using KV = std::remove_pointer_t<decltype(kp)>;
   at::parallel_for(0, B * T, grain, [&](int64_t r0, int64_t r1) {
     std::vector<float> rot(D);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t b = r / T, t = r % T;
       const int64_t kv_b = rows ? row_slot[t] : b, at = rows ? row_index[t] : start + t;
-      const float* c = cp + r * D;
-      const float* sn = sp + r * D;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* x = src + r * W + h * D;
-        if (h >= Hq + Hkv) {
-          KV* dst = vp + kv_b * v_buf.stride(0) + (h - Hq - Hkv) * v_buf.stride(1) + at * v_buf.stride(2);
-          for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<KV>(x[d]);
-          continue;
-        }
-        float* dst = h < Hq ? qp + ((b * Hq + h) * T + t) * D : rot.data();
-        for (int64_t d = 0; d < half; ++d) {
-          const float a = x[d] * c[d], e = -x[d + half] * sn[d];
-          dst[d] = a + e;
-        }
-        for (int64_t d = half; d < D; ++d) {
-          const float a = x[d] * c[d], e = x[d - half] * sn[d];
-          dst[d] = a + e;
-        }
-        if (h >= Hq) {
-          KV* k = kp + kv_b * k_buf.stride(0) + (h - Hq) * k_buf.stride(1) + at * k_buf.stride(2);
-          for (int64_t d = 0; d < D; ++d) k[d] = static_cast<KV>(rot[d]);
-        }
-      }
+      rope_row(src + r * W, cp + r * D, sp + r * D, Hq, Hkv, D, qp + (b * Hq * T + t) * D, T * D,
+               kp + kv_b * k_buf.stride(0) + at * k_buf.stride(2), k_buf.stride(1),
+               vp + kv_b * v_buf.stride(0) + at * v_buf.stride(2), v_buf.stride(1), rot.data());
     }
   });
   };
@@ -139,21 +166,8 @@ torch::Tensor silu_mul(torch::Tensor gu) {
   auto y = torch::empty(sizes, gu.options());
   const float* gp = gu.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f), sign = _mm512_set1_ps(-0.0f);
   at::parallel_for(0, N, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* g = gp + r * 2 * I;
-      const float* u = g + I;
-      float* out = yp + r * I;
-      for (int64_t i = 0; i < I; i += 16) {
-        const __mmask16 m = I - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - i)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(m, g + i);
-        const __m512 e = exp_neg(_mm512_or_ps(x, sign));              // e^-|x|
-        const __mmask16 neg = _mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_LT_OQ);
-        const __m512 sig = _mm512_div_ps(_mm512_mask_mov_ps(one, neg, e), _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(_mm512_mul_ps(x, sig), _mm512_maskz_loadu_ps(m, u + i)));
-      }
-    }
+    for (int64_t r = r0; r < r1; ++r) silu_mul_row(gp + r * 2 * I, I, yp + r * I);
   });
   return y;
 }

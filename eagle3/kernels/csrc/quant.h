@@ -84,6 +84,15 @@ struct QuantRows {
   const int32_t* isum;       // one digit: per row, block and half of 16 inputs, sum_j X_j
 };
 
+// A packed weight's segments and paths, read (and checked) from its header: linear_quant.cpp
+struct QuantPlan {
+  std::vector<QuantSeg> segs;
+  bool integer_dots;           // flags bit 0
+  bool one_digit;              // flags bit 1 (with bit 0): inputs rounded to one byte per block
+  int64_t groups;              // groups of kQuantLanes outputs over all segments
+};
+QuantPlan quant_plan(const torch::Tensor& packed, int64_t in_features, int64_t out_features);
+
 using QuantGroupFn = void (*)(const QuantSeg&, int64_t, const uint8_t*, const QuantRows&, int64_t,
                               float*, int64_t);
 using NibbleTileFn = void (*)(const int32_t*, const float*, const float*, int64_t, const uint8_t*, int64_t,
@@ -95,5 +104,9 @@ void activation_digits(const float* x, int64_t M, int64_t I, int32_t* digits, fl
                        int32_t* isum, bool one_digit);
 extern const NibbleTileFn kNibbleTilesVnni[kQuantTile];
 extern const QuantGroupFn kByteGroups[kOneDigitTile];
+
+// linear_quant.cpp: groups [g0, g1) of y [M, O] (no bias)
+void quant_groups(const QuantPlan& plan, const uint8_t* base, const QuantRows& rows, int64_t M, int64_t g0,
+                  int64_t g1, float* y, bool tiles);
 
 }  // namespace eagle3
