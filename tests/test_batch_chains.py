@@ -154,6 +154,20 @@ def test_the_planner_takes_the_chain_length_that_pays_most():
         ChainPlanner(lambda rows: 0.0)
 
 
+def test_a_sources_first_chain_is_taken_where_it_pays_at_all():
+    """Within PAY_MARGIN of break-even a chain is not taken, unless its source has had none
+    checked: its prior alone then decides once (at a margin, a prior just short of it kept a
+    copy's suffix guesses from ever being tried, so never found right)."""
+    free = lambda k: 0.0                            # noqa: E731
+    step = lambda rows: 10.0 + rows                 # noqa: E731  1 ms a row on a 10 ms forward
+    # 3 decoders, one more row: 3 / 13 tokens a ms before, (3 + 0.25) / 14 after: +0.6%
+    opt = Option("a", "suffix", 1, 0.25, free)
+    assert ChainPlanner(step).plan([opt], rows=3, decoders=3) == {}
+    assert ChainPlanner(step).plan([opt._replace(first=True)], rows=3, decoders=3)["a"][1] == 1
+    # ... but not where it loses
+    assert ChainPlanner(step).plan([opt._replace(rate=0.2, first=True)], rows=3, decoders=3) == {}
+
+
 def test_a_chains_acceptance_and_length_follow_what_was_accepted():
     state = ChainState()
     state.index.extend([1, 2, 3, 4, 5, 1, 2, 3, 4])

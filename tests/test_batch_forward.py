@@ -204,6 +204,34 @@ def test_batched_rows_equal_alone_on_gguf_codes(one_thread):
     check_batched_equals_alone(target, bit_for_bit=True)
 
 
+@pytest.mark.lossless
+@pytest.mark.parametrize("type_name", ["Q4_1", "Q6_K"])
+def test_batched_rows_in_one_parallel_region_equal_alone_and_the_composite_call(type_name):
+    """One-byte inputs on head_dim 64 run a batch's rows (several slots, chunked prefills) through
+    every layer in one parallel region: each block's logits equal its sequence alone and the
+    composite call's (a parallel region per op), bit for bit."""
+    import copy
+
+    from eagle3 import kernels
+    if not kernels.integer_dots():
+        pytest.skip("no AVX512-VNNI (or EAGLE3_VNNI=0)")
+    from test_quant import gguf_tiny_target, head_dim_64_target
+    model, codes = gguf_tiny_target(type_name, model=head_dim_64_target("Qwen2ForCausalLM"))
+    target = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs())
+    assert target.stack is not None
+    check_batched_equals_alone(target, bit_for_bit=True, seed=1)
+    g = torch.Generator().manual_seed(2)
+    seqs = [torch.randint(0, target.config.vocab_size, (n,), generator=g).tolist() for n in SEQS_LEN]
+    in_region = run_batched(target, seqs, SCHEDULE)
+    stack, target.stack = target.stack, None
+    try:
+        composite = run_batched(target, seqs, SCHEDULE)
+    finally:
+        target.stack = stack
+    assert in_region.keys() == composite.keys()
+    assert all(torch.equal(in_region[key], composite[key]) for key in composite)
+
+
 def test_a_batch_of_one_takes_the_single_sequence_layers(monkeypatch):
     """One sequence in a step decodes through the layers' own call (the one-call C++ layer where
     there are kernels) on its slot's buffers, not the op-by-op batched path (which halved

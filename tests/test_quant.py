@@ -20,6 +20,7 @@ from eagle3.errors import InputError, LoadError  # noqa: E402
 from eagle3.runtime.quant import (GgufWeights, QuantCodes, check_codes, llama_row_order,  # noqa: E402
                                   read_gguf_codes, unpack)
 from eagle3.models.config import ModelConfig  # noqa: E402
+from eagle3.models.layers import tree_block_mask  # noqa: E402
 from eagle3.models.llama import LlamaModel  # noqa: E402
 from eagle3.runtime.target import build_target  # noqa: E402
 
@@ -270,6 +271,11 @@ def test_a_target_on_the_codes_gives_the_fp32_models_logits(type_name):
     assert (got.double() - want).abs().max() <= 2 * fp32_error
 
 
+# a verify block's tree: 0 the root; 1, 2 its children; 3 under 1; 4 under 3 (row sees col)
+TREE_MASK = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]],
+                         dtype=torch.bool)
+
+
 def head_dim_64_target(arch: str) -> LlamaModel:
     """A tiny target with the one-row layer's head_dim (64; 4 heads over 2 kv heads), a Llama or a
     Qwen2 (q/k/v biases)."""
@@ -289,10 +295,10 @@ def head_dim_64_target(arch: str) -> LlamaModel:
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
 def test_a_decode_step_in_one_parallel_region_gives_the_composite_calls_bits(type_name, arch):
-    """A one-row decode step on one-byte inputs runs every layer in one parallel region (the
-    kernels' LayerStack) or each layer in one (decoder_layer's one-row case): the same row parts
-    as the composite call, so the same logits, captured features and cache, bit for bit, on either
-    cache type."""
+    """A block of one sequence on one-byte inputs (a prompt, decode steps, tree verify blocks) runs
+    every layer in one parallel region (the kernels' LayerStack) or each layer in one
+    (decoder_layer's case of one sequence): the same row parts as the composite call, so the same
+    logits, captured features and cache, bit for bit, on either cache type."""
     model, codes = gguf_tiny_target(type_name, model=head_dim_64_target(arch))
     for kv in ("fp16", "fp32"):
         layout = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs(),
@@ -305,17 +311,25 @@ def test_a_decode_step_in_one_parallel_region_gives_the_composite_calls_bits(typ
             layout.stack = stack if mode == "stack" else None
             k.set_one_region(mode != "composite")
             try:
-                cache = layout.new_cache(40)
-                out = layout(torch.arange(3, 13)[None], torch.arange(10)[None], cache)
-                steps = []
-                for _ in range(12):
+                cache = layout.new_cache(48)
+                out = layout(torch.arange(3, 13)[None], torch.arange(10)[None], cache, capture_ids=(1,))
+                steps = [(out.logits, out.aux, out.hidden)]
+                for i in range(12):
                     token = out.logits[0, -1].argmax().view(1, 1)
                     out = layout(token, torch.tensor([[cache.length]]), cache, capture_ids=(0, 2))
                     steps.append((out.logits, out.aux, out.hidden))
+                    if i % 4 == 3:       # a verify block: a tree of 5 nodes (root, two children, ...)
+                        start = cache.length
+                        mask = tree_block_mask(start, TREE_MASK)
+                        ids = (torch.arange(5) * 7 + i)[None] % 64
+                        out = layout(ids, torch.tensor([[start, start + 1, start + 1, start + 2, start + 3]]),
+                                     cache, attn_mask=mask, capture_ids=(0, 1, 2))
+                        steps.append((out.logits, out.aux, out.hidden))
+                        cache.truncate(start + 1)
             finally:
                 layout.stack = stack
                 k.set_one_region(True)
-            runs[mode] = (steps, cache.k[:, :, :, :cache.length], cache.v[:, :, :, :cache.length])
+            runs[mode] = (steps, cache.k.clone(), cache.v.clone())
         want_steps, want_k, want_v = runs["composite"]
         for mode in ("stack", "layer"):
             got_steps, got_k, got_v = runs[mode]

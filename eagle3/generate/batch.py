@@ -283,12 +283,13 @@ class BatchScheduler(Scheduler):
                 alt = r.chain.alternate(room)
                 guesses[r.id] = (guess, alt)
                 nodes = ranked_nodes(r.chain.rate, len(guess), r.chain.alt.rate, len(alt))
-                options.append(Option(r.id, "suffix", len(nodes), r.chain.rate, NO_EXTRA, nodes=nodes))
+                options.append(Option(r.id, "suffix", len(nodes), r.chain.rate, NO_EXTRA, nodes=nodes,
+                                      first=r.chain.chains == 0))
             d = r.chain.draft
             if d is not None and worth_asking(d, floor) and (d.waiting or d.head is not None):
                 most = d.cap(room, DRAFT_MAX_TOKENS)
                 nodes = ranked_nodes(d.rate, most, d.alt.rate, 1 if room > 0 else 0)
-                opt = Option(r.id, "draft", len(nodes), d.rate, None, nodes=nodes)
+                opt = Option(r.id, "draft", len(nodes), d.rate, None, nodes=nodes, first=d.chains == 0)
                 draft_ms = self._draft_ms(d, room, spend)     # only the chain's tokens are drafted
                 options.append(opt._replace(
                     extra_ms=lambda k, o=opt, ms=draft_ms: ms(o.branches(k)[0]),

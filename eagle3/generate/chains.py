@@ -63,7 +63,10 @@ MEMORY = 0.9               # the weight of a source's earlier chains in its acce
 PAY_MARGIN = 0.05          # a chain must raise the step's tokens per ms by this share: the cost
                            # table is a single sequence's at ~200 cached tokens, a batch's forward
                            # costs somewhat more per row (MT-bench, 4 clients, default weights:
-                           # chains taken at no margin ran 0.93x plain decoding)
+                           # chains taken at no margin ran 0.93x plain decoding). A source's first
+                           # chain is taken without it: at a margin its prior alone could keep it
+                           # from ever being tried (a copy's suffix guesses, once one-row steps got
+                           # cheaper, were never checked, so never found right)
 
 
 @dataclass
@@ -369,6 +372,8 @@ class Option(NamedTuple):
     extra_ms: Callable[[int], float]     # ms spent outside the forward for k rows (the draft)
     take: Optional[Callable[[int], None]] = None   # told the k chosen (the draft's step spend)
     nodes: tuple[tuple[int, float], ...] = ()      # ranked_nodes (a tree); () a chain at `rate`
+    first: bool = False                  # its source has not had a chain checked yet: taken where it
+                                         # pays at all (no PAY_MARGIN), so its prior is tested once
 
     def expect(self, k: int) -> float:
         """Expected accepted tokens of its best k rows."""
@@ -451,7 +456,7 @@ class ChainPlanner:
         for opt in sorted(options, key=lambda o: -o.rate):
             if opt.key in chosen:
                 continue
-            best, best_k = (1.0 + PAY_MARGIN) * tokens / spent, 0
+            best, best_k = (1.0 + (0.0 if opt.first else PAY_MARGIN)) * tokens / spent, 0
             # no block of this option brings more than its bound: skip what cannot pay
             if (tokens + opt.bound()) / (spent + cost(min(added + 1, longest)) - cost(added)) <= best:
                 continue

@@ -42,8 +42,9 @@ class InferenceTarget:
         self.stack = self._layer_stack()
 
     def _layer_stack(self):
-        """csrc/kernels.h LayerStack: a one-row decode step through every layer in one parallel
-        region, where each layer runs on the one-call path with one-digit GGUF codes (else None)."""
+        """csrc/kernels.h LayerStack: a block of one sequence (up to kernel_rows rows) through every
+        layer in one parallel region, where each layer runs on the one-call path with one-digit GGUF
+        codes (else None)."""
         calls = [layer.one_call for layer in self.layers]
         if self.backend.kernels is None or not calls or any(c is None for c in calls):
             return None
@@ -139,10 +140,12 @@ class InferenceTarget:
         attn_mask = self.backend.prepare_mask(attn_mask)
         cos, sin = self.rotary(positions)
         h = self.embed_tokens(input_ids)
-        if (self.stack is not None and seq == 1 and attn_mask is None and cache.k.shape[1] == 1
+        if (self.stack is not None and seq <= self.backend.kernel_rows and cache.k.shape[1] == 1
                 and cache.k.dtype in KERNEL_KV):
-            # a decode step of one sequence: every layer in one C++ call and one parallel region
-            h, aux = self.stack.decode(h.contiguous(), cos, sin, cache.k, cache.v, start, sorted(capture))
+            # a block of one sequence (a decode step, a verify block): every layer in one C++ call
+            # and one parallel region
+            h, aux = self.stack.decode(h.contiguous(), cos.contiguous(), sin.contiguous(), cache.k, cache.v,
+                                       start, None if attn_mask is None else attn_mask.contiguous(), sorted(capture))
             cache.advance(seq)
             return h, [aux] if capture else []
         feats = []
@@ -177,15 +180,30 @@ class InferenceTarget:
             mask = self.backend.prepare_mask(
                 rows.mask[..., :one.start + one.rows].contiguous() if rows.mask is not None else
                 None if one.rows == 1 else causal_block_mask(one.start, one.rows, h.device))
-        for i, layer in enumerate(self.layers):
-            if i in capture:
-                feats.append(h)
-            k_buf, v_buf = cache.layer(i)
-            if one is not None:       # a batch of one decodes as fast as the single-sequence engine
-                h = layer(h, None, cos, sin, k_buf[one.slot:one.slot + 1], v_buf[one.slot:one.slot + 1],
-                          one.start, mask)
+        if (self.stack is not None and rows.num_rows <= self.backend.kernel_rows
+                and cache.k.dtype in KERNEL_KV):
+            # every layer in one C++ call and one parallel region: a block of one slot as a single
+            # sequence's, rows of several slots each at its own
+            c, s = cos.contiguous(), sin.contiguous()
+            if one is not None:
+                h, aux = self.stack.decode(h.contiguous(), c, s, cache.k[:, one.slot:one.slot + 1],
+                                           cache.v[:, one.slot:one.slot + 1], one.start,
+                                           None if mask is None else mask.contiguous(), sorted(capture))
             else:
-                h = layer.forward_rows(h, cos, sin, k_buf, v_buf, rows)
+                h, aux = self.stack.decode(h.contiguous(), c, s, cache.k, cache.v, 0,
+                                           None if rows.mask is None else rows.mask.contiguous(), sorted(capture),
+                                           rows.slot, rows.index, rows.keys)
+            feats = [aux] if capture else []
+        else:
+            for i, layer in enumerate(self.layers):
+                if i in capture:
+                    feats.append(h)
+                k_buf, v_buf = cache.layer(i)
+                if one is not None:   # a batch of one decodes as fast as the single-sequence engine
+                    h = layer(h, None, cos, sin, k_buf[one.slot:one.slot + 1], v_buf[one.slot:one.slot + 1],
+                              one.start, mask)
+                else:
+                    h = layer.forward_rows(h, cos, sin, k_buf, v_buf, rows)
         cache.commit(rows)
         last = h[0, (rows.last if logit_rows is None else logit_rows).to(self.device)]
         logits = self.lm_head(self.backend.rms_norm(last, *self.norm))

@@ -389,6 +389,109 @@ template void lone_row<float>(int64_t, const float*, int64_t, const float*, int6
 template void lone_row<at::Half>(int64_t, const at::Half*, int64_t, const at::Half*, int64_t, int64_t, int64_t,
                                  const bool*, float, const at::Half*, const at::Half*, int64_t, RowScratch&);
 
+// Work items and their scratch: AttnJob (kernels.h)
+void AttnJob::build(int64_t threads) {
+  // Work items: one kv head's `group` query heads at a run of query rows of one sequence. A run of
+  // rows shares one pass over the keys (attention_lanes: up to 16 / group rows, a lane per row and
+  // head) where D is 64 or 128; else, and for a lone row, a row is an item of its own. A pass costs
+  // about what two rows alone cost whatever its lanes, so runs of 1-2 rows go row by row, longer
+  // ones in as few passes as the lanes allow, at least one item per thread (measured:
+  // docs/kernels.md).
+  // A lone row's item may hold only some of its group's heads (h0, hn): a decode step has one
+  // item per kv head (3 for SmolLM2, on 2 threads one of them ran two), so where items are few
+  // each head is an item of its own. A head's arithmetic is the same either way (its heads share
+  // only the loads of the values), so the bits do not change.
+  const int64_t lane_rows = (D == 64 || D == 128) && group <= 8 ? 16 / group : 1;
+  const int64_t min_blocks = (threads + B * Hkv - 1) / (B * Hkv);  // a thread each
+  items.clear();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t t = 0; t < T;) {
+        int64_t run = 1;                     // rows of one slot (all rows without slots)
+        while (t + run < T && (!rows || row_slot[t + run] == row_slot[t])) ++run;
+        const int64_t nb = lane_rows == 1 || run < 3 ? run
+            : std::min(run, std::max((run + lane_rows - 1) / lane_rows, min_blocks));
+        for (int64_t i = 0; i < nb; ++i)     // blocks as even as possible
+          items.push_back({b, g, t + run * i / nb, run * (i + 1) / nb - run * i / nb, 0, group});
+        t += run;
+      }
+  if (threads > 1 && group > 1 && (int64_t)items.size() < 2 * threads) {   // lone rows: a head each
+    std::vector<AttnItem> heads;
+    for (const AttnItem& it : items) {
+      if (it.n > 1) heads.push_back(it);
+      else
+        for (int64_t i = 0; i < group; ++i) heads.push_back({it.b, it.g, it.t0, 1, i, 1});
+    }
+    items.swap(heads);
+  }
+}
+
+void AttnJob::run(int64_t r0, int64_t r1) const {
+  auto go = [&](const auto* kp, const auto* vp) {
+    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
+    RowScratch scratch(group);
+    std::vector<float> qt, sc16;
+    // attention_lanes' scratch for fp16 values (no zero fill: it writes before it reads)
+    std::unique_ptr<float[]> wide(std::is_same_v<KV, float> ? nullptr : new float[64 * D + 16]);
+    for (int64_t r = r0; r < r1; ++r) {
+      const AttnItem& it = items[r];
+      const int64_t b = it.b, g = it.g, t = it.t0;
+      const int64_t kv_b = rows ? row_slot[t] : b;
+      const KV* kb = kp + kv_b * ks[0] + g * ks[1];
+      const KV* vb = vp + kv_b * vs[0] + g * vs[1];
+      if (it.n > 1) {
+        const int64_t n = it.n, lanes = n * group;
+        std::vector<const float*> lq(lanes);
+        std::vector<float*> lo(lanes);
+        std::vector<const bool*> lm(n);
+        std::vector<int64_t> lk(n);
+        int64_t S = 0;
+        for (int64_t j = 0; j < n; ++j) {
+          lm[j] = mp ? mp + b * mask_b + (t + j) * S_all : nullptr;
+          lk[j] = rows ? row_keys[t + j] : lm[j] ? last_live(lm[j], S_all) : S_all;
+          S = std::max(S, lk[j]);
+          for (int64_t i = 0; i < group; ++i) {
+            const int64_t row = (b * Hq + g * group + i) * T + t + j;
+            lq[j * group + i] = qp + row * D;
+            lo[j * group + i] = op + row * D;
+          }
+        }
+        qt.resize(16 * D);
+        sc16.resize(16 * (S + 1));
+        if (D == 64)
+          attention_lanes<4>(lq.data(), lo.data(), n, group, kb, ks[2], vb, vs[2], S,
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.get());
+        else
+          attention_lanes<8>(lq.data(), lo.data(), n, group, kb, ks[2], vb, vs[2], S,
+                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.get());
+        continue;
+      }
+      const int64_t S = rows ? row_keys[t] : S_all;
+      const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
+      // the cache rows come from memory (a batch's slots far exceed the caches): the next item's
+      // keys and values stream in while this one computes its scores (lone_row)
+      const KV *nk = nullptr, *nv = nullptr;
+      int64_t nS = 0;
+      if (r + 1 < r1) {
+        const AttnItem& nx = items[r + 1];
+        const int64_t nkv = rows ? row_slot[nx.t0] : nx.b;
+        nS = rows ? row_keys[nx.t0] : S_all;
+        nk = kp + nkv * ks[0] + nx.g * ks[1];
+        nv = vp + nkv * vs[0] + nx.g * vs[1];
+      }
+      const int64_t heads = it.hn;           // the item's heads of the group: h0 .. h0 + hn - 1
+      for (int64_t i = 0; i < heads; ++i) {
+        const int64_t row = (b * Hq + g * group + it.h0 + i) * T + t;
+        scratch.qrow[i] = qp + row * D;
+        scratch.orow[i] = op + row * D;
+      }
+      lone_row(heads, kb, ks[2], vb, vs[2], S, D, mr, scale, nk, nv, nS, scratch);
+    }
+  };
+  if (half) go(static_cast<const at::Half*>(kp_), static_cast<const at::Half*>(vp_));
+  else go(static_cast<const float*>(kp_), static_cast<const float*>(vp_));
+}
+
 // q [B, Hq, T, D] fp32 contiguous; k, v [B, Hkv, S, D] fp32 views with unit stride on D (a cache
 // prefix); mask: None, or bool broadcastable as [B|1, 1, T, S] contiguous (True = may attend).
 // One work item is the `group` query heads of one kv head at one query position: they share
@@ -429,112 +532,15 @@ torch::Tensor attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
     mask_b = mask->size(0) == 1 ? 0 : T * S_all;
   }
   auto out = torch::empty_like(q);
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt((float)D);
-  // Work items: one kv head's `group` query heads at a run of query rows of one sequence. A run of
-  // rows shares one pass over the keys (attention_lanes: up to 16 / group rows, a lane per row and
-  // head) where D is 64 or 128; else, and for a lone row, a row is an item of its own. A pass costs
-  // about what two rows alone cost whatever its lanes, so runs of 1-2 rows go row by row, longer
-  // ones in as few passes as the lanes allow, at least one item per thread (measured:
-  // docs/kernels.md).
-  // A lone row's item may hold only some of its group's heads (h0, hn): a decode step has one
-  // item per kv head (3 for SmolLM2, on 2 threads one of them ran two), so where items are few
-  // each head is an item of its own. A head's arithmetic is the same either way (its heads share
-  // only the loads of the values), so the bits do not change.
-  struct Item { int64_t b, g, t0, n, h0 = 0, hn = 0; };
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t lane_rows = (D == 64 || D == 128) && group <= 8 ? 16 / group : 1;
-  const int64_t min_blocks = (threads + B * Hkv - 1) / (B * Hkv);  // a thread each
-  std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t t = 0; t < T;) {
-        int64_t run = 1;                     // rows of one slot (all rows without slots)
-        while (t + run < T && (!rows || row_slot[t + run] == row_slot[t])) ++run;
-        const int64_t nb = lane_rows == 1 || run < 3 ? run
-            : std::min(run, std::max((run + lane_rows - 1) / lane_rows, min_blocks));
-        for (int64_t i = 0; i < nb; ++i)     // blocks as even as possible
-          items.push_back({b, g, t + run * i / nb, run * (i + 1) / nb - run * i / nb, 0, group});
-        t += run;
-      }
-  if (threads > 1 && group > 1 && (int64_t)items.size() < 2 * threads) {   // lone rows: a head each
-    std::vector<Item> heads;
-    for (const Item& it : items) {
-      if (it.n > 1) heads.push_back(it);
-      else
-        for (int64_t i = 0; i < group; ++i) heads.push_back({it.b, it.g, it.t0, 1, i, 1});
-    }
-    items.swap(heads);
-  }
-  // kp, vp: the cache's fp32 or fp16 elements
-  auto run = [&](const auto* kp, const auto* vp) {
-  at::parallel_for(0, (int64_t)items.size(), 1, [&](int64_t r0, int64_t r1) {
-    using KV = std::remove_cv_t<std::remove_pointer_t<decltype(kp)>>;
-    RowScratch scratch(group);
-    std::vector<float> qt, sc16;
-    // attention_lanes' scratch for fp16 values (no zero fill: it writes before it reads)
-    std::unique_ptr<float[]> wide(std::is_same_v<KV, float> ? nullptr : new float[64 * D + 16]);
-    for (int64_t r = r0; r < r1; ++r) {
-      const Item& it = items[r];
-      const int64_t b = it.b, g = it.g, t = it.t0;
-      const int64_t kv_b = rows ? row_slot[t] : b;
-      const KV* kb = kp + kv_b * k.stride(0) + g * k.stride(1);
-      const KV* vb = vp + kv_b * v.stride(0) + g * v.stride(1);
-      if (it.n > 1) {
-        const int64_t n = it.n, lanes = n * group;
-        std::vector<const float*> lq(lanes);
-        std::vector<float*> lo(lanes);
-        std::vector<const bool*> lm(n);
-        std::vector<int64_t> lk(n);
-        int64_t S = 0;
-        for (int64_t j = 0; j < n; ++j) {
-          lm[j] = mp ? mp + b * mask_b + (t + j) * S_all : nullptr;
-          lk[j] = rows ? row_keys[t + j] : lm[j] ? last_live(lm[j], S_all) : S_all;
-          S = std::max(S, lk[j]);
-          for (int64_t i = 0; i < group; ++i) {
-            const int64_t row = (b * Hq + g * group + i) * T + t + j;
-            lq[j * group + i] = qp + row * D;
-            lo[j * group + i] = op + row * D;
-          }
-        }
-        qt.resize(16 * D);
-        sc16.resize(16 * (S + 1));
-        if (D == 64)
-          attention_lanes<4>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
-                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.get());
-        else
-          attention_lanes<8>(lq.data(), lo.data(), n, group, kb, k.stride(2), vb, v.stride(2), S,
-                             lm.data(), lk.data(), scale, qt.data(), sc16.data(), wide.get());
-        continue;
-      }
-      const int64_t S = rows ? row_keys[t] : S_all;
-      const bool* mr = mp ? mp + b * mask_b + t * S_all : nullptr;
-      // the cache rows come from memory (a batch's slots far exceed the caches): the next item's
-      // keys and values stream in while this one computes its scores (lone_row)
-      const KV *nk = nullptr, *nv = nullptr;
-      int64_t nS = 0;
-      if (r + 1 < r1) {
-        const Item& nx = items[r + 1];
-        const int64_t nkv = rows ? row_slot[nx.t0] : nx.b;
-        nS = rows ? row_keys[nx.t0] : S_all;
-        nk = kp + nkv * k.stride(0) + nx.g * k.stride(1);
-        nv = vp + nkv * v.stride(0) + nx.g * v.stride(1);
-      }
-      const int64_t heads = it.hn;           // the item's heads of the group: h0 .. h0 + hn - 1
-      for (int64_t i = 0; i < heads; ++i) {
-        const int64_t row = (b * Hq + g * group + it.h0 + i) * T + t;
-        scratch.qrow[i] = qp + row * D;
-        scratch.orow[i] = op + row * D;
-      }
-      lone_row(heads, kb, k.stride(2), vb, v.stride(2), S, D, mr, scale, nk, nv, nS, scratch);
-    }
-  });
-  };
-  if (k.scalar_type() == torch::kHalf)
-    run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
-  else
-    run(k.data_ptr<float>(), v.data_ptr<float>());
+  AttnJob job;
+  job.B = B, job.Hq = Hq, job.T = T, job.D = D, job.Hkv = Hkv, job.S_all = S_all, job.group = group;
+  job.rows = rows, job.row_slot = row_slot, job.row_keys = row_keys, job.mp = mp, job.mask_b = mask_b;
+  job.qp = q.data_ptr<float>(), job.op = out.data_ptr<float>(), job.scale = 1.0f / std::sqrt((float)D);
+  job.half = k.scalar_type() == torch::kHalf;
+  job.kp_ = k.data_ptr(), job.vp_ = v.data_ptr();
+  for (int i = 0; i < 3; ++i) job.ks[i] = k.stride(i), job.vs[i] = v.stride(i);
+  job.build(std::max(1, at::get_num_threads()));
+  at::parallel_for(0, (int64_t)job.items.size(), 1, [&](int64_t r0, int64_t r1) { job.run(r0, r1); });
   return out;
 }
 

@@ -44,7 +44,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"))
       .def_property_readonly("applies", &LayerStack::applies)
       .def("decode", &LayerStack::decode, py::arg("h"), py::arg("cos"), py::arg("sin"), py::arg("k"), py::arg("v"),
-           py::arg("start"), py::arg("capture"));
+           py::arg("start"), py::arg("mask"), py::arg("capture"), py::arg("slot_of_row") = py::none(),
+           py::arg("index_of_row") = py::none(), py::arg("keys_of_row") = py::none());
   m.def("set_one_region", &set_one_region,
         "a one-row decoder layer on one-digit GGUF codes in one parallel region (same bits; default on)");
   m.def("parallel_threads", &parallel_threads, "threads that ran a parallel region");

@@ -62,6 +62,29 @@ template <typename KV>
 void lone_row(int64_t heads, const KV* kb, int64_t ldk, const KV* vb, int64_t ldv, int64_t S, int64_t D,
               const bool* mr, float scale, const KV* nk, const KV* nv, int64_t nS, RowScratch& s);
 
+// attention.cpp: one call's work, as items a thread runs any share of (attention runs them with
+// at::parallel_for; the one-row layer's region gives each thread its share). q, out [B, Hq, T, D]
+// contiguous; k, v [B or slots, Hkv, S_all, D] fp32 or fp16 (half) at strides ks, vs; mask as
+// attention's (mp, mask_b: its batch stride), rows: slot_of_row and keys_of_row.
+struct AttnItem { int64_t b, g, t0, n, h0 = 0, hn = 0; };
+struct AttnJob {
+  int64_t B = 0, Hq = 0, T = 0, D = 0, Hkv = 0, S_all = 0, group = 0;
+  bool rows = false, half = false;
+  const int64_t* row_slot = nullptr;
+  const int64_t* row_keys = nullptr;
+  const bool* mp = nullptr;
+  int64_t mask_b = 0;
+  const float* qp = nullptr;
+  float* op = nullptr;
+  float scale = 0.0f;
+  const void* kp_ = nullptr;
+  const void* vp_ = nullptr;
+  int64_t ks[3] = {0, 0, 0}, vs[3] = {0, 0, 0};
+  std::vector<AttnItem> items;
+  void build(int64_t threads);               // the items, for a team of `threads`
+  void run(int64_t r0, int64_t r1) const;     // items [r0, r1)
+};
+
 // layer.cpp: one decoder layer's packed weights and shapes (built once per layer from Python)
 
 struct LayerWeights {
@@ -100,7 +123,11 @@ class LayerStack {
   bool applies() const { return applies_; }
   std::tuple<torch::Tensor, c10::optional<torch::Tensor>> decode(torch::Tensor h, torch::Tensor cos, torch::Tensor sin,
                                                                 torch::Tensor k, torch::Tensor v, int64_t start,
-                                                                std::vector<int64_t> capture) const;
+                                                                c10::optional<torch::Tensor> mask,
+                                                                std::vector<int64_t> capture,
+                                                                c10::optional<torch::Tensor> slot_of_row,
+                                                                c10::optional<torch::Tensor> index_of_row,
+                                                                c10::optional<torch::Tensor> keys_of_row) const;
 
  private:
   std::vector<LayerWeights> weights_;
