@@ -397,6 +397,8 @@ def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):
     assert roof.bound_ms == pytest.approx(1e3 * want * 2e-3 / (8 * 2**20))   # weights at copy speed
     assert roof.ratio == pytest.approx(8 * 2**20 / want)
     assert roof.ratio_read == pytest.approx(4 * 2**20 / want)
+    assert roof.forward_p10_ms == pytest.approx(2.0) and roof.spread == 200
+    assert "the tenth percentile of 200 forwards 2.00 ms" in roof.text()
 
 
 def test_row_roof_counts_the_integer_dots_a_row_needs(one_thread, monkeypatch):  # noqa: F811

@@ -25,12 +25,16 @@ class Roofline:
     bound_ms: float             # weight_bytes / copy bandwidth
     ratio: float                # forward_ms / bound_ms
     ratio_read: float           # against the pure-read bandwidth
+    forward_p10_ms: float = 0.0  # the tenth percentile of `spread` forwards (0: not measured)
+    spread: int = 0
 
     def text(self) -> str:
+        p10 = (f"; the tenth percentile of {self.spread} forwards {self.forward_p10_ms:.2f} ms: "
+               f"{self.forward_p10_ms / self.bound_ms:.2f}x" if self.spread else "")
         return (f"target decode forward {self.forward_ms:.2f} ms (context {self.context}) vs memory "
                 f"bound {self.bound_ms:.2f} ms ({self.weight_bytes / 2**20:.0f} MiB of weights at "
                 f"{self.copy_gb_s:.1f} GB/s copy bandwidth): {self.ratio:.2f}x the bound "
-                f"({self.ratio_read:.2f}x against {self.read_gb_s:.1f} GB/s pure read)")
+                f"({self.ratio_read:.2f}x against {self.read_gb_s:.1f} GB/s pure read{p10})")
 
 
 def read_bytes_per_forward(model) -> int:
@@ -54,7 +58,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def _median_time(fn, device: torch.device, reps: int, clock=time.perf_counter) -> float:
+def _times(fn, device: torch.device, reps: int, clock=time.perf_counter) -> list[float]:
     fn()
     times = []
     for _ in range(reps):
@@ -63,7 +67,11 @@ def _median_time(fn, device: torch.device, reps: int, clock=time.perf_counter) -
         fn()
         _sync(device)
         times.append(clock() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _median_time(fn, device: torch.device, reps: int, clock=time.perf_counter) -> float:
+    return statistics.median(_times(fn, device, reps, clock))
 
 
 def bandwidth(device: torch.device, mib: int = 256, reps: int = 5,
@@ -78,11 +86,17 @@ def bandwidth(device: torch.device, mib: int = 256, reps: int = 5,
     return 2 * nbytes / t_copy / 1e9, nbytes / t_read / 1e9
 
 
-@torch.inference_mode()
 def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1,
                      clock=time.perf_counter) -> float:
     """Median time of one forward of `tokens` new tokens on top of `context` cached tokens
     (tokens > 1: the cost of verifying a tree of that size, causal mask)."""
+    return statistics.median(decode_forward_times(target, context, reps, tokens, clock))
+
+
+@torch.inference_mode()
+def decode_forward_times(target, context: int = 200, reps: int = 20, tokens: int = 1,
+                         clock=time.perf_counter) -> list[float]:
+    """The times (s) of `reps` such forwards."""
     device = target.device
     gen = torch.Generator().manual_seed(0)
     ctx = torch.randint(0, target.config.vocab_size, (1, context + tokens), generator=gen).to(device)
@@ -94,7 +108,7 @@ def decode_forward_s(target, context: int = 200, reps: int = 20, tokens: int = 1
     def one() -> None:
         cache.truncate(context)
         target(new, pos, cache)
-    return _median_time(one, device, reps, clock)
+    return _times(one, device, reps, clock)
 
 
 def verify_costs(target, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16), context: int = 200,
@@ -104,13 +118,17 @@ def verify_costs(target, sizes: tuple[int, ...] = (1, 2, 4, 6, 8, 12, 16), conte
 
 
 def measure(target, weight_bytes: int, context: int = 200, mib: int = 256,
-            clock=time.perf_counter) -> Roofline:
+            clock=time.perf_counter, spread: int = 200) -> Roofline:
+    """The median of 20 forwards against the bound, and the tenth percentile of `spread` more: on a
+    shared machine a slow moment moves a median of 20 by tens of percent (1.15x and 1.66x the bound
+    minutes apart on the 2-core EPYC), the tenth percentile of a few hundred much less."""
     device = target.device
     copy_bw, read_bw = bandwidth(device, mib, clock=clock)
     fwd = decode_forward_s(target, context, clock=clock)
+    times = sorted(decode_forward_times(target, context, spread, clock=clock)) if spread else [0.0]
     bound = weight_bytes / (copy_bw * 1e9)
     return Roofline(weight_bytes, copy_bw, read_bw, fwd * 1e3, context, bound * 1e3,
-                    fwd / bound, fwd / (weight_bytes / (read_bw * 1e9)))
+                    fwd / bound, fwd / (weight_bytes / (read_bw * 1e9)), 1e3 * times[len(times) // 10], spread)
 
 
 @dataclass(frozen=True)
