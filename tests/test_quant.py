@@ -338,6 +338,30 @@ def test_a_decode_step_in_one_parallel_region_gives_the_composite_calls_bits(typ
                 assert all(torch.equal(g, w) for g, w in zip(got, want)), (mode, kv)
 
 
+@needs_vnni
+def test_a_region_of_one_thread_gives_the_same_bits(one_thread):
+    """The thread governor may leave one thread: the region's team is then one, every share its
+    own, and the bits are still the composite call's."""
+    model, codes = gguf_tiny_target("Q4_1", model=head_dim_64_target("LlamaForCausalLM"))
+    layout = build_target(copy.deepcopy(model), torch.float32, row_stable=True, gguf=codes.with_int8_inputs())
+    assert torch.get_num_threads() == 1 and layout.stack is not None
+    k, stack, outs = layout.backend.kernels, layout.stack, []
+    for use in (stack, None):                # the region, then the composite call
+        layout.stack = use
+        k.set_one_region(use is not None)
+        try:
+            cache = layout.new_cache(24)
+            out = layout(torch.arange(3, 11)[None], torch.arange(8)[None], cache)
+            outs.append([out.logits])
+            for _ in range(4):
+                out = layout(out.logits[0, -1].argmax().view(1, 1), torch.tensor([[cache.length]]), cache)
+                outs[-1].append(out.logits)
+        finally:
+            layout.stack = stack
+            k.set_one_region(True)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def exact_logits(model, ids, pos, byte_inputs: bool = False) -> torch.Tensor:
     """The dequantised model evaluated in fp64: the file's exact model (an fp32 evaluation of it
     is itself up to ~1e-4 away on the real targets, so that is the wrong yardstick). byte_inputs:
