@@ -51,6 +51,10 @@ class InferenceTarget:
         stack = self.backend.kernels.LayerStack(calls, self.config.hidden_size, self.config.head_dim)
         return stack if stack.applies else None
 
+    def _stack_takes(self, rows: int, cache) -> bool:
+        """Whether a forward of `rows` rows over `cache` runs in the LayerStack's one region."""
+        return self.stack is not None and rows <= self.backend.kernel_rows and cache.k.dtype in KERNEL_KV
+
     @property
     def device(self) -> torch.device:
         return self.backend.device
@@ -140,8 +144,7 @@ class InferenceTarget:
         attn_mask = self.backend.prepare_mask(attn_mask)
         cos, sin = self.rotary(positions)
         h = self.embed_tokens(input_ids)
-        if (self.stack is not None and seq <= self.backend.kernel_rows and cache.k.shape[1] == 1
-                and cache.k.dtype in KERNEL_KV):
+        if self._stack_takes(seq, cache) and cache.k.shape[1] == 1:
             # a block of one sequence (a decode step, a verify block): every layer in one C++ call
             # and one parallel region
             h, aux = self.stack.decode(h.contiguous(), cos.contiguous(), sin.contiguous(), cache.k, cache.v,
@@ -180,8 +183,7 @@ class InferenceTarget:
             mask = self.backend.prepare_mask(
                 rows.mask[..., :one.start + one.rows].contiguous() if rows.mask is not None else
                 None if one.rows == 1 else causal_block_mask(one.start, one.rows, h.device))
-        if (self.stack is not None and rows.num_rows <= self.backend.kernel_rows
-                and cache.k.dtype in KERNEL_KV):
+        if self._stack_takes(rows.num_rows, cache):
             # every layer in one C++ call and one parallel region: a block of one slot as a single
             # sequence's, rows of several slots each at its own
             c, s = cos.contiguous(), sin.contiguous()

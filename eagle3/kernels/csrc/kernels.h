@@ -130,7 +130,6 @@ class LayerStack {
                                                                 c10::optional<torch::Tensor> keys_of_row) const;
 
  private:
-  std::vector<LayerWeights> weights_;
   std::vector<RowLayer> layers_;
   bool applies_ = false;
 };

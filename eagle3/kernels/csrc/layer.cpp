@@ -216,15 +216,62 @@ AttnJob block_job(const RowLayer& L, int64_t M, int64_t S_all, const bool* mask,
   job.half = half;
   for (int i = 0; i < 3; ++i) job.ks[i] = ks[i], job.vs[i] = vs[i];
   if (M > 1) job.build(team);
-  job.mp = mask;
   return job;
 }
 
-// the cache element type's pointers of k and v, or an undefined pair
+// whether k and v are a cache the region reads: one element type (fp32 or fp16), unit stride on D
 bool row_cache(const torch::Tensor& k, const torch::Tensor& v, int64_t D) {
   return k.scalar_type() == v.scalar_type() &&
          (k.scalar_type() == torch::kFloat || k.scalar_type() == torch::kHalf) && k.stride(-1) == 1 &&
          v.stride(-1) == 1 && k.size(-1) == D && v.size(-1) == D;
+}
+
+
+// The region: `count` layers over M rows (h [M, H] -> out [M, H]), every layer's cache at
+// kp / vp + its index x layer_k / layer_v (strides ks, vs within a layer), rows placed as
+// row_layer says (start, or slot / index / keys of each row; the attention sees S_all keys where
+// `mask` lets it). capture: layer ids whose input rows go to cap [M, capture.size() * H].
+template <typename KV>
+void run_region(const RowLayer* layers, int64_t count, int64_t M, const float* h, const float* cp, const float* sp,
+                KV* kp, KV* vp, int64_t layer_k, int64_t layer_v, const int64_t (&ks)[3], const int64_t (&vs)[3],
+                int64_t start, const int64_t* slot, const int64_t* index, const int64_t* keys, int64_t S_all,
+                const bool* mask, const std::vector<int64_t>& capture, float* cap, float* out) {
+  const RowLayer& first = layers[0];
+  const int64_t H = first.H, D = first.D, nc = (int64_t)capture.size();
+  int64_t most = 0;
+  for (int64_t i = 0; i < count; ++i) most = std::max(most, workspace_floats(layers[i], M));
+  auto ws_t = torch::empty({most + 2 * M * H}, torch::kFloat32);
+  float* ws = ws_t.data_ptr<float>();
+  float* hb[2] = {ws + most, ws + most + M * H};   // layer outputs, in turn
+  static thread_local RowDigits digits;            // filled by thread 0 (this thread), read by the team
+  RowDigits& dg = digits;                          // (a thread_local named in the region is each thread's own)
+  const int team = std::max(1, at::get_num_threads());
+  float* q = ws + M * (H + (first.w.num_heads + 2 * first.w.num_kv_heads) * D);
+  AttnJob job = block_job(first, M, S_all, mask, std::is_same_v<KV, at::Half>, ks, vs, q,
+                          q + M * first.w.num_heads * D, team, slot, keys);
+#pragma omp parallel num_threads(team)
+  {
+    const int t = omp_get_thread_num(), n = omp_get_num_threads();
+    RowScratch sc(first.w.num_heads / first.w.num_kv_heads);
+    const float* in = h;
+    for (int64_t i = 0; i < count; ++i) {
+      if (t == 0)
+        for (int64_t c = 0; c < nc; ++c)
+          if (capture[c] == i)
+            for (int64_t r = 0; r < M; ++r) std::memcpy(cap + (r * nc + c) * H, in + r * H, H * sizeof(float));
+      float* o = i + 1 == count ? out : hb[i % 2];
+      row_layer(t, n, layers[i], M, in, cp, sp, kp + i * layer_k, vp + i * layer_v, ks, vs, start, slot, index, ws, o,
+                dg, job, sc, i + 1 < count ? layers[i + 1].w.norm1.data_ptr<float>() : nullptr);
+      in = o;
+    }
+  }
+}
+
+// fn(k's elements, v's elements) as the cache's type (row_cache: fp32 or fp16)
+template <typename Fn>
+void with_cache(const torch::Tensor& k, const torch::Tensor& v, Fn&& fn) {
+  if (k.scalar_type() == torch::kHalf) fn(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
+  else fn(k.data_ptr<float>(), v.data_ptr<float>());
 }
 
 }  // namespace
@@ -271,37 +318,22 @@ torch::Tensor region_layer(const torch::Tensor& h, const LayerWeights& w, const 
   expect(cos, "cos", torch::kFloat32);
   expect(sin, "sin", torch::kFloat32);
   auto out = torch::empty_like(h);
-  auto ws = torch::empty({workspace_floats(L, M)}, h.options());
-  static thread_local RowDigits digits;    // filled by thread 0 (this thread), read by the team
-  RowDigits& dg = digits;                  // (a thread_local named in the region is each thread's own)
-  const int team = std::max(1, at::get_num_threads());
   const int64_t ks[3] = {k_buf.stride(0), k_buf.stride(1), k_buf.stride(2)};
   const int64_t vs[3] = {v_buf.stride(0), v_buf.stride(1), v_buf.stride(2)};
-  float* q = ws.data_ptr<float>() + M * (L.H + (w.num_heads + 2 * w.num_kv_heads) * D);
-  AttnJob job = block_job(L, M, start + M, mp, k_buf.scalar_type() == torch::kHalf, ks, vs, q,
-                          q + M * w.num_heads * D, team);
-  auto run = [&](auto* kp, auto* vp) {
-#pragma omp parallel num_threads(team)
-    {
-      RowScratch sc(L.w.num_heads / L.w.num_kv_heads);
-      row_layer(omp_get_thread_num(), omp_get_num_threads(), L, M, h.data_ptr<float>(), cos.data_ptr<float>(),
-                sin.data_ptr<float>(), kp, vp, ks, vs, start, nullptr, nullptr, ws.data_ptr<float>(),
-                out.data_ptr<float>(), dg, job, sc, nullptr);
-    }
-  };
-  if (k_buf.scalar_type() == torch::kHalf) run(k_buf.data_ptr<at::Half>(), v_buf.data_ptr<at::Half>());
-  else run(k_buf.data_ptr<float>(), v_buf.data_ptr<float>());
+  with_cache(k_buf, v_buf, [&](auto* kp, auto* vp) {
+    run_region(&L, 1, M, h.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), kp, vp, 0, 0, ks, vs,
+               start, nullptr, nullptr, nullptr, start + M, mp, {}, nullptr, out.data_ptr<float>());
+  });
   return out;
 }
 
 }  // namespace
 
-LayerStack::LayerStack(const std::vector<LayerWeights>& weights, int64_t hidden, int64_t head_dim)
-    : weights_(weights) {
-  layers_.resize(weights_.size());
-  applies_ = !weights_.empty();
-  for (size_t i = 0; i < weights_.size() && applies_; ++i)
-    applies_ = RowLayer::make(weights_[i], hidden, head_dim, layers_[i]);
+LayerStack::LayerStack(const std::vector<LayerWeights>& weights, int64_t hidden, int64_t head_dim) {
+  layers_.resize(weights.size());          // each RowLayer holds its layer's weights
+  applies_ = !weights.empty();
+  for (size_t i = 0; i < weights.size() && applies_; ++i)
+    applies_ = RowLayer::make(weights[i], hidden, head_dim, layers_[i]);
   if (!applies_) layers_.clear();
 }
 
@@ -351,46 +383,15 @@ std::tuple<torch::Tensor, c10::optional<torch::Tensor>> LayerStack::decode(
   for (int64_t c : capture) TORCH_CHECK(c >= 0 && c < L, "capture layer ", c, " outside 0..", L - 1);
   auto out = torch::empty_like(h);
   c10::optional<torch::Tensor> captured;
-  const int64_t nc = (int64_t)capture.size();
-  if (nc) captured = torch::empty({1, M, nc * H}, h.options());
-  int64_t most = 0;
-  for (const RowLayer& l : layers_) most = std::max(most, workspace_floats(l, M));
-  auto ws = torch::empty({most + 2 * M * H}, h.options());
-  float* hb[2] = {ws.data_ptr<float>() + most, ws.data_ptr<float>() + most + M * H};   // layer outputs, in turn
-  float* cap = nc ? captured->data_ptr<float>() : nullptr;
-  static thread_local RowDigits digits;
-  RowDigits& dg = digits;
-  const int team = std::max(1, at::get_num_threads());
-  const RowLayer& first = layers_[0];
+  if (!capture.empty()) captured = torch::empty({1, M, (int64_t)capture.size() * H}, h.options());
   const int64_t ks[3] = {k.stride(1), k.stride(2), k.stride(3)}, vs[3] = {v.stride(1), v.stride(2), v.stride(3)};
-  float* q = ws.data_ptr<float>() + M * (H + (first.w.num_heads + 2 * first.w.num_kv_heads) * D);
-  AttnJob job = block_job(first, M, S_all, mp, k.scalar_type() == torch::kHalf, ks, vs, q,
-                          q + M * first.w.num_heads * D, team, slot, keys);
-  auto run = [&](auto* kp, auto* vp) {
-#pragma omp parallel num_threads(team)
-    {
-      const int t = omp_get_thread_num(), n = omp_get_num_threads();
-      RowScratch sc(first.w.num_heads / first.w.num_kv_heads);
-      const float* in = h.data_ptr<float>();
-      for (int64_t i = 0; i < L; ++i) {
-        if (t == 0)
-          for (int64_t c = 0; c < nc; ++c)
-            if (capture[c] == i)
-              for (int64_t r = 0; r < M; ++r) std::memcpy(cap + (r * nc + c) * H, in + r * H, H * sizeof(float));
-        float* o = i + 1 == L ? out.data_ptr<float>() : hb[i % 2];
-        row_layer(t, n, layers_[i], M, in, cos.data_ptr<float>(), sin.data_ptr<float>(), kp + i * k.stride(0),
-                  vp + i * v.stride(0), ks, vs, start, slot, index, ws.data_ptr<float>(), o, dg, job, sc,
-                  i + 1 < L ? layers_[i + 1].w.norm1.data_ptr<float>() : nullptr);
-        in = o;
-      }
-    }
-  };
-  if (k.scalar_type() == torch::kHalf) run(k.data_ptr<at::Half>(), v.data_ptr<at::Half>());
-  else run(k.data_ptr<float>(), v.data_ptr<float>());
+  with_cache(k, v, [&](auto* kp, auto* vp) {
+    run_region(layers_.data(), L, M, h.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), kp, vp,
+               k.stride(0), v.stride(0), ks, vs, start, slot, index, keys, S_all, mp, capture,
+               captured ? captured->data_ptr<float>() : nullptr, out.data_ptr<float>());
+  });
   return {out, captured};
 }
-
-
 
 // One Llama decoder layer on the kernels, the same ops in the same order as the Python modules
 // (RMSNorm.fused, PackedLinear's small-M path, Attention with fused_rope and fused attention, MLP),
