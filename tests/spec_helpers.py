@@ -36,9 +36,9 @@ class StubTokenizer:
 
 
 def tiny_target(seed: int = 0, vocab: int = 32, std: float = 0.3, layers: int = 4,
-                hidden: int = 32, intermediate: int = 64) -> LlamaModel:
+                hidden: int = 32, intermediate: int = 64, arch: str = "LlamaForCausalLM") -> LlamaModel:
     torch.manual_seed(seed)
-    cfg = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": vocab,
+    cfg = ModelConfig.from_hf({"architectures": [arch], "vocab_size": vocab,
                                "hidden_size": hidden, "intermediate_size": intermediate,
                                "num_hidden_layers": layers, "num_attention_heads": 4,
                                "num_key_value_heads": 2, "max_position_embeddings": 256})

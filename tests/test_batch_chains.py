@@ -216,12 +216,16 @@ def test_sampled_chains_draw_what_plain_sampling_draws():
 
 def test_the_packaged_model_speculates_inside_the_batch():
     """SmolLM2 as load_engine builds it by default, three requests that quote their prompt (two
-    greedy, one seeded sampling) decoded together with the machine's cost table: outputs equal
-    plain decoding alone, and guessed tokens were accepted."""
+    greedy, one seeded sampling) decoded together: outputs equal plain decoding alone, and guessed
+    tokens were accepted. The planner prices rows as a quiet 2-core EPYC measured them (SmolLM2's
+    codes, one parallel region: 4.1 ms a row, ~0.5 ms each more): the machine's own table is
+    measured whenever the kernels change, inside the suite's run, and a table measured in a slow
+    moment (5.1 ms a row, ~0.9 ms each more) left these copies' chains just short of paying."""
     from eagle3.api import load_engine
     engine = load_engine(max_model_len=512)
     sched = BatchScheduler.from_engine(engine, max_batch=4)
     assert sched.chains is not None
+    sched.chains.cost_ms = lambda rows: 3.6 + 0.5 * rows          # noqa: E731
     text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
             "How vexingly quick daft zebras jump.")
     asks = [f"Repeat this text exactly, twice: {text}", f"Copy this sentence word for word: {text}",

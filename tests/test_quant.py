@@ -19,7 +19,6 @@ from eagle3 import kernels  # noqa: E402
 from eagle3.errors import InputError, LoadError  # noqa: E402
 from eagle3.runtime.quant import (GgufWeights, QuantCodes, check_codes, llama_row_order,  # noqa: E402
                                   read_gguf_codes, unpack)
-from eagle3.models.config import ModelConfig  # noqa: E402
 from eagle3.models.layers import tree_block_mask  # noqa: E402
 from eagle3.models.llama import LlamaModel  # noqa: E402
 from eagle3.runtime.target import build_target  # noqa: E402
@@ -279,16 +278,7 @@ TREE_MASK = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1,
 def head_dim_64_target(arch: str) -> LlamaModel:
     """A tiny target with the one-row layer's head_dim (64; 4 heads over 2 kv heads), a Llama or a
     Qwen2 (q/k/v biases)."""
-    torch.manual_seed(5)
-    cfg = ModelConfig.from_hf({"architectures": [arch], "vocab_size": 64, "hidden_size": 256,
-                               "intermediate_size": 512, "num_hidden_layers": 3, "num_attention_heads": 4,
-                               "num_key_value_heads": 2, "max_position_embeddings": 256})
-    model = LlamaModel(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.normal_(0.0, 0.1)
-    return model.eval()
+    return tiny_target(seed=5, vocab=64, std=0.1, layers=3, hidden=256, intermediate=512, arch=arch)
 
 
 @needs_vnni
