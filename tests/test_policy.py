@@ -56,7 +56,7 @@ def test_untried_shapes_go_first_then_the_best_rate():
 
 
 def test_falls_back_to_plain_when_nothing_is_accepted_and_probes_again():
-    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8, max_probe_every=8)
+    p = AdaptivePolicy((TREE,), TABLE, memory=0.5, probe_every=8, max_probe_every=8, probe_share=0)
     choices = []
     for _ in range(16):
         arm = p.choose()
@@ -188,7 +188,7 @@ def test_the_clock_corrects_a_stale_table(table, truth, accepted, want):
 
 
 def test_probes_back_off_while_nothing_changes_and_restart_when_the_choice_changes():
-    p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16)
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0)
     off: list[int] = []                     # steps that did not take the leading arm
     for i in range(90):
         arm = p.choose()
@@ -199,6 +199,42 @@ def test_probes_back_off_while_nothing_changes_and_restart_when_the_choice_chang
     # untried, the first probe at probe_every - 1, then 8, 16, 16 steps apart; the tree leads from
     # 44 on: plain is probed 4 steps later, then 8, 16, 16 apart
     assert off == [0, 3, 11, 27, 43, 48, 56, 72, 88]
+
+
+def test_a_probe_that_loses_much_waits_until_its_loss_is_a_small_share():
+    """A probe predicted to lose L ms past the leader comes no sooner than L / (probe_share x the
+    leader's step) steps after the last: probes every max_probe_every steps of a shape that never
+    paid cost ~3% of the time at T=1 on the GGUF codes. A probe that loses little keeps the
+    doubling intervals."""
+    def probes(policy, accepted, steps=400):
+        out = []
+        for i in range(steps):
+            arm = policy.choose()
+            if arm != PLAIN:
+                out.append(i)
+            feed(policy, arm, accepted if arm == TREE else 0, 7 if arm == TREE else 0, 5 if arm == TREE else 0)
+        return out
+
+    # the tree accepts nothing: 1 token in 13 + 5 x 1.1 = 18.5 ms against plain's 10 ms a token
+    lossy = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0.02)
+    seen = probes(lossy, accepted=0)
+    assert lossy.probe_loss_ms(TREE, PLAIN) == pytest.approx(8.5)
+    assert lossy.quiet_steps(TREE, PLAIN) == int(8.5 / (0.02 * 10.0))          # 42 steps
+    gaps = [b - a for a, b in zip(seen, seen[1:])]
+    assert seen[:2] == [0, 3] and all(g >= 42 for g in gaps[1:]), seen
+    # the whole loss stays near probe_share of the time: 8.5 ms a probe over >= 42 plain steps
+    assert len(seen) <= 2 + 400 // 42
+    doubling = probes(AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0), 0)
+    assert len(doubling) > 2 * len(seen)
+    # the tree leads (2 tokens in 18.5 ms); a probe of plain loses 10 - 18.5 / 2 = 0.75 ms, which
+    # waits 0.75 / (0.02 x 18.5) = 2 steps: within the doubling intervals, so they stand
+    def plain_probes(share):
+        drafted = set(probes(AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16,
+                                            probe_share=share), accepted=1))
+        return [i for i in range(400) if i not in drafted]
+    assert plain_probes(0.02) == plain_probes(0) and len(plain_probes(0)) > 20
+    with pytest.raises(InputError, match="probe_share must be in"):
+        AdaptivePolicy((TREE,), TABLE, probe_share=1.0)
 
 
 def test_suffix_only_is_offered_with_a_match_and_taken_when_its_rate_is_highest():

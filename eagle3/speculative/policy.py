@@ -42,7 +42,12 @@ found after a fallback. The first probe comes at step probe_every - 1; each prob
 interval to the next (up to max_probe_every), and the interval restarts at probe_every when the
 leading arm among the shapes and plain changes (a probe that changed the choice, or the averages
 moving). So a stable choice spends few steps on probes: at T=1, where plain wins most steps, a
-probe at every base interval was a speculative step that did not pay. A first try and a probe each
+probe at every base interval was a speculative step that did not pay. A probe that the averages
+say will lose much waits longer still: the next probe comes no sooner than the steps over which
+its predicted loss (`probe_loss_ms`: its steps' time past what the leader takes for as many
+tokens) is probe_share of the leader's time, up to max_quiet_every steps. At T=1 on the GGUF
+codes a probe of a sampled shape loses ~15 ms (four steps at ~1.2-1.6 tokens, each dearer than two
+plain ones), and probes every 128 steps cost ~3% of the time: more than any shape won back. A first try and a probe each
 run `probe_steps` steps: sampled requests take SAMPLED_PROBE_STEPS, since one step's acceptance
 there is a coin flip, and single-step tries often left a paying shape at "1.0 tokens a step" behind
 plain decoding, probed again only a doubling interval later.
@@ -83,6 +88,8 @@ SAMPLED_MEMORY = 0.97
 DRAFTLESS_SUFFIX_TOKENS = 8
 DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4
+PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
+MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
 
@@ -138,6 +145,8 @@ class AdaptivePolicy:
                                                # shape's verify block - 1; 0: no arm)
     suffix_only_min_match: int = 2             # a suffix-only block needs a match this long
     probe_steps: int = 1                       # steps an arm runs when first tried or probed
+    probe_share: float = PROBE_SHARE           # 0: probe intervals ignore what a probe loses
+    max_quiet_every: int = MAX_QUIET_EVERY
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
     steps: int = 0
@@ -162,6 +171,8 @@ class AdaptivePolicy:
         self.rates: dict = {}                  # arm -> rate, until a step changes what it reads
         if self.probe_steps < 1:
             raise InputError(f"AdaptivePolicy probe_steps must be >= 1, got {self.probe_steps}")
+        if not 0.0 <= self.probe_share < 1.0:
+            raise InputError(f"AdaptivePolicy probe_share must be in [0, 1), got {self.probe_share}")
 
     def _suffix_budget(self, tokens: Optional[int]) -> int:
         """A suffix-only block must fit the cache slack the shapes size (Engine, SpecDecoder); without
@@ -200,12 +211,28 @@ class AdaptivePolicy:
         self._follow(max(self.arms(), key=self.rate))
         others = [a for a in arms if a != best]
         if self.probe_due and others:
-            self.interval = min(2 * self.interval, self.max_probe_every)
-            self.next_probe = self.steps + self.interval
             probe = min(others, key=lambda a: self.stats[a].last_step)
+            self.interval = min(2 * self.interval, self.max_probe_every)
+            self.next_probe = self.steps + max(self.interval, self.quiet_steps(probe, best))
             self.run = (probe, self.probe_steps - 1)
             return probe
         return best
+
+    def quiet_steps(self, probe: Arm, best: Arm) -> int:
+        """Steps of `best` over which a probe of `probe` loses at most probe_share of the time (at
+        most max_quiet_every; 0 without probe_share)."""
+        if not self.probe_share:
+            return 0
+        steps = self.probe_loss_ms(probe, best) / (self.probe_share * self.cost_ms(best))
+        return int(min(steps, self.max_quiet_every))
+
+    def probe_loss_ms(self, probe: Arm, best: Arm) -> float:
+        """What a probe of `probe` is predicted to cost past `best`: its probe_steps steps' time
+        minus the time `best` takes for as many tokens (never below 0). The draft's catch-up before
+        a shape's probe is left out: it runs over the rows since the last drafting step, so it
+        grows with the interval and is the same share of the time whatever the interval."""
+        per_step = self.cost_ms(probe) - self.tokens(probe) / self.rate(best)
+        return max(self.probe_steps * per_step, 0.0)
 
     def _follow(self, best: Arm) -> None:
         """Probe at the base interval again when the leading arm changed. The leader is taken
@@ -220,9 +247,12 @@ class AdaptivePolicy:
         on the fastest plain steps)."""
         rate = self.rates.get(arm)
         if rate is None:
-            tokens = 1.0 if arm == PLAIN else self.stats[arm].tokens.value
-            rate = self.rates[arm] = tokens / self.cost_ms(arm)
+            rate = self.rates[arm] = self.tokens(arm) / self.cost_ms(arm)
         return rate
+
+    def tokens(self, arm: Arm) -> float:
+        """Tokens a step of `arm` emits on average (a plain step: 1 exactly)."""
+        return 1.0 if arm == PLAIN else self.stats[arm].tokens.value
 
     def cost_ms(self, arm: Arm) -> float:
         """Predicted ms of a step of `arm`: the table's, times the arm's observed correction."""
