@@ -216,7 +216,7 @@ def test_avx512_vnni_instructions_sit_only_in_the_attributed_function():
     other kernel."""
     holders = _functions_with(Path(kernels.state().module.__file__), VNNI_OPS)
     assert holders, "linear_quant's integer dot products are gone"
-    tile = r"\b(nibble_tile_vnni<\d>|byte_tile<\d, \d, \d+>|dot_burst)\("
+    tile = r"\b(nibble_tile_vnni<\d>|byte_tile<\d+, \d, \d+>|dot_burst)\("
     assert all(re.search(tile, f) for f in holders), sorted(holders)
     assert not any("vnni" in flag for flag in kernels.CFLAGS)
 

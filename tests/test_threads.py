@@ -245,7 +245,7 @@ def test_the_governors_probe_and_the_adaptive_steps_probe_never_share_a_step(mon
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     costs = CostTable((1, 2, 4, 8), (10.0, 10.5, 11.0, 13.0), (1.0, 1.0, 1.1, 1.3))
-    policy = AdaptivePolicy((SpecParams(4, 5, 8, 0.0),), costs)
+    policy = AdaptivePolicy((SpecParams(4, 5, 8, 0.0),), costs, probe_share=0)   # probes at the doubling intervals
     gov = threads.ThreadGovernor()
     seen, now = [], [0.0]
     monkeypatch.setattr(threads.time, "perf_counter", lambda: now[0])   # 2 threads beat 1

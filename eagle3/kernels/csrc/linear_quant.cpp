@@ -216,8 +216,14 @@ void quant_groups(const QuantPlan& plan, const uint8_t* base, const QuantRows& r
     }
 #endif
     if (plan.one_digit) {
-      for (int64_t m0 = 0; m0 < M; m0 += kOneDigitTile)
-        kByteGroups[std::min<int64_t>(kOneDigitTile, M - m0) - 1](segs[s], grp, base, rows, m0, yp, O);
+      // the fewest passes, their rows spread evenly: 17 rows run as 9 + 8, not 16 + 1 (a pass
+      // unpacks the group's codes once, whatever its rows)
+      const int64_t passes = (M + kOneDigitTile - 1) / kOneDigitTile;
+      for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+        const int64_t mt = M / passes + (p < M % passes ? 1 : 0);
+        kByteGroups[mt - 1](segs[s], grp, base, rows, m0, yp, O);
+        m0 += mt;
+      }
       continue;
     }
     for (int64_t m0 = 0; m0 < M; m0 += kQuantTile) {

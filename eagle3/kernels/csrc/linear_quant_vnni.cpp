@@ -273,7 +273,9 @@ double integer_dot_peak(int64_t reps) {
 
 const NibbleTileFn kNibbleTilesVnni[kQuantTile] = {nibble_tile_vnni<1>, nibble_tile_vnni<2>, nibble_tile_vnni<3>,
                                                    nibble_tile_vnni<4>};
-const QuantGroupFn kByteGroups[kOneDigitTile] = {byte_group<1>, byte_group<2>, byte_group<3>, byte_group<4>,
-                                                 byte_group<5>, byte_group<6>, byte_group<7>, byte_group<8>};
+const QuantGroupFn kByteGroups[kOneDigitTile] = {
+    byte_group<1>,  byte_group<2>,  byte_group<3>,  byte_group<4>,  byte_group<5>,  byte_group<6>,
+    byte_group<7>,  byte_group<8>,  byte_group<9>,  byte_group<10>, byte_group<11>, byte_group<12>,
+    byte_group<13>, byte_group<14>, byte_group<15>, byte_group<16>};
 
 }  // namespace eagle3

@@ -35,7 +35,7 @@ constexpr int kDigitWords = kPlanes * 8;         // int32 words of digits per ro
 constexpr int kQuantLanes = 16;
 constexpr int64_t kNibbleScalesAt = 256;        // kind 4: 16 scales after the 4 zmm of codes, then offsets
 constexpr int kQuantTile = 4;    // rows per pass over a group (kChains * rows + rows accumulators)
-constexpr int kOneDigitTile = 8;   // rows per pass over a group: the codes are unpacked once for them
+constexpr int kOneDigitTile = 16;  // rows per pass over a group: the codes are unpacked once for them
 
 // Each tile asks for the bytes kAhead past the record it reads, a record's worth per record: a
 // thread's groups are consecutive in the packed weight, so this runs ahead of its stream, across
