@@ -40,7 +40,7 @@ class Scripted:
         self.script, self.i, self.taken = script, 0, []
         self.shapes = tuple(a for a in script if isinstance(a, SpecParams))
 
-    def choose(self, suffix_ready=False):
+    def choose(self, suffix_ready=False, suffix_match=0):
         self.i += 1
         arm = self.script[(self.i - 1) % len(self.script)]
         self.taken.append(PLAIN if arm == SUFFIX_ONLY and not suffix_ready else arm)

@@ -256,6 +256,27 @@ def test_suffix_only_is_offered_with_a_match_and_taken_when_its_rate_is_highest(
     assert name_of(SUFFIX_ONLY) == "suffix"
 
 
+def test_suffix_only_averages_are_kept_per_match_class():
+    """A long match is a copy or a loop under way, a short one a guess: a suffix-only block's
+    averages are kept per class (shorter than 8 tokens, 8 and more), so failed guesses after short
+    matches neither keep them coming nor put the copies' blocks below plain decoding."""
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    feed(p, p.choose(), accepted=0, proposed=7, levels=4)            # the tree, untried, first
+    for _ in range(3):                                               # a copy: 8 tokens a block
+        assert p.choose(suffix_ready=True, suffix_match=12) == SUFFIX_ONLY
+        feed(p, SUFFIX_ONLY, accepted=7, proposed=7, levels=0)
+    short = []
+    for _ in range(30):                                              # guesses that fail
+        arm = p.choose(suffix_ready=True, suffix_match=2)
+        short.append(arm)
+        feed(p, arm, 0, 7 if arm == SUFFIX_ONLY else 0, 0)
+    assert short[0] == SUFFIX_ONLY and short[1:] == [PLAIN] * 29      # its class tried once
+    assert p.choose(suffix_ready=True, suffix_match=9) == SUFFIX_ONLY  # copies still pay
+    assert p.summary()["suffix_by_match"] == {
+        "<8": {"tokens": 1.0, "rows": 8.0, "correction": 1.0, "steps": 1},
+        "8+": {"tokens": 8.0, "rows": 8.0, "correction": 1.0, "steps": 3}}
+
+
 def test_suffix_only_blocks_fit_the_caches_the_shapes_size():
     assert AdaptivePolicy((TREE,), TABLE, suffix_only_tokens=0).arms(suffix_ready=True) == [TREE, PLAIN]
     with pytest.raises(InputError, match="suffix_only_tokens"):

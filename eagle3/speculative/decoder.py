@@ -110,6 +110,7 @@ class SpecDecoder:
         self.head: Optional[DraftHead] = None
         self.suffix: Optional[SuffixIndex] = None   # over the prompt and the output so far
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
+        self.suffix_match = 0                       # the match the suffix-only candidates continue
 
     @property
     def expected_ms(self) -> Optional[float]:
@@ -158,7 +159,7 @@ class SpecDecoder:
             return self.tree_step()
         t0 = time.perf_counter()
         conts = self.suffix_only_candidates()
-        arm = self.policy.choose(suffix_ready=bool(conts))
+        arm = self.policy.choose(suffix_ready=bool(conts), suffix_match=self.suffix_match)
         self.levels, self.caught_up = 0, None
         if arm == PLAIN:
             step = self.plain_step()
@@ -198,11 +199,14 @@ class SpecDecoder:
         """The continuations a suffix-only step would verify now (empty: no match, or no such arm).
         With several, the first (most frequent, longest match) is cut to leave the others a
         quarter of the budget."""
+        self.suffix_match = 0
         if self.suffix is None or not self.suffix_only_tokens:
             return []
         budget = self.suffix_only_budget()
         shortest = self.policy.suffix_only_min_match
-        return first_cut([c.tokens for c in self.suffix.propose(budget) if c.match_len >= shortest], budget)
+        cands = [c for c in self.suffix.propose(budget) if c.match_len >= shortest]
+        self.suffix_match = max((c.match_len for c in cands), default=0)
+        return first_cut([c.tokens for c in cands], budget)
 
     def suffix_only_budget(self) -> int:
         """Nodes a suffix-only block may hold now: SUFFIX_GROWTH x (the last block's accepted nodes

@@ -88,6 +88,14 @@ SAMPLED_MEMORY = 0.97
 DRAFTLESS_SUFFIX_TOKENS = 8
 DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4
+# a suffix-only block's averages are kept per class of the match it continues (shorter than 8
+# tokens, or 8 and more): a long match is a copy or a loop under way, whose blocks accept many
+# tokens, a short one a guess. With one average over all, the short matches' guesses put the arm
+# below plain decoding: on 40 greedy MT-bench answers (the default codes) it was offered at ~1,660
+# steps with a match of 8+ and taken at 68; with the classes, 180 suffix-only blocks covered those
+# stretches. (Classes at 4 and 8 split the short matches' few tries further, and a class that
+# failed its first try was left for a probe interval.)
+SUFFIX_MATCH_CLASSES = (8,)
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
@@ -162,6 +170,8 @@ class AdaptivePolicy:
                              f"probe_every ({self.probe_every}); raise max_probe_every")
         self.suffix_only_tokens = self._suffix_budget(self.suffix_only_tokens)
         self.stats = {arm: ArmStats(self.memory) for arm in (*self.shapes, PLAIN, SUFFIX_ONLY)}
+        # SUFFIX_ONLY's stats are those of the match class of the step (choose's suffix_match)
+        self.suffix_classes = [self.stats[SUFFIX_ONLY]] + [ArmStats(self.memory) for _ in SUFFIX_MATCH_CLASSES]
         self.overhead = Rolling(self.memory)
         self.catch_ups = Counter()             # returns to drafting: count, rows, ms (not any arm's)
         self.interval = self.probe_every       # steps from the last probe to the next one
@@ -197,7 +207,11 @@ class AdaptivePolicy:
         suffix = [SUFFIX_ONLY] if suffix_ready and self.suffix_only_tokens else []
         return list(self.shapes) + suffix + ([PLAIN] if self.allow_plain else [])
 
-    def choose(self, suffix_ready: bool = False) -> Arm:
+    def choose(self, suffix_ready: bool = False, suffix_match: int = 0) -> Arm:
+        """The arm of this step; suffix_match: the length of the match the suffix index continues
+        (its class picks the suffix-only averages the step reads and updates)."""
+        if suffix_ready:
+            self._suffix_class(suffix_match)
         arms = self.arms(suffix_ready)
         untried = [a for a in arms if a != PLAIN and self.stats[a].steps < self.probe_steps]
         if untried:
@@ -233,6 +247,13 @@ class AdaptivePolicy:
         grows with the interval and is the same share of the time whatever the interval."""
         per_step = self.cost_ms(probe) - self.tokens(probe) / self.rate(best)
         return max(self.probe_steps * per_step, 0.0)
+
+    def _suffix_class(self, match: int) -> None:
+        """Read and update the suffix-only averages of the class of a `match` tokens long."""
+        stats = self.suffix_classes[sum(match >= c for c in SUFFIX_MATCH_CLASSES)]
+        if self.stats[SUFFIX_ONLY] is not stats:
+            self.stats[SUFFIX_ONLY] = stats
+            self.rates.pop(SUFFIX_ONLY, None)
 
     def _follow(self, best: Arm) -> None:
         """Probe at the base interval again when the leading arm changed. The leader is taken
@@ -319,7 +340,16 @@ class AdaptivePolicy:
                 "arms": {name_of(a): {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
                                       "levels": round(st.levels.value, 2),
                                       "correction": round(st.correction, 3), "steps": st.steps}
-                         for a, st in self.stats.items() if st.steps}}
+                         for a, st in self.stats.items() if st.steps and a != SUFFIX_ONLY},
+                "suffix_by_match": {label: {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
+                                            "correction": round(st.correction, 3), "steps": st.steps}
+                                    for label, st in zip(suffix_class_labels(), self.suffix_classes) if st.steps}}
+
+
+def suffix_class_labels() -> list[str]:
+    """The match classes' names ("<8", "8+")."""
+    bounds = SUFFIX_MATCH_CLASSES
+    return ([f"<{bounds[0]}"] + [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:])] + [f"{bounds[-1]}+"])
 
 
 def name_of(arm: Arm) -> str:
