@@ -110,7 +110,6 @@ class SpecDecoder:
         self.head: Optional[DraftHead] = None
         self.suffix: Optional[SuffixIndex] = None   # over the prompt and the output so far
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
-        self.suffix_match = 0                       # the match the suffix-only candidates continue
 
     @property
     def expected_ms(self) -> Optional[float]:
@@ -158,8 +157,8 @@ class SpecDecoder:
         if self.policy is None:
             return self.tree_step()
         t0 = time.perf_counter()
-        conts = self.suffix_only_candidates()
-        arm = self.policy.choose(suffix_ready=bool(conts), suffix_match=self.suffix_match)
+        conts, match = self.suffix_only_candidates()
+        arm = self.policy.choose(suffix_ready=bool(conts), suffix_match=match)
         self.levels, self.caught_up = 0, None
         if arm == PLAIN:
             step = self.plain_step()
@@ -195,18 +194,16 @@ class SpecDecoder:
             self.suffix.extend([token])
         return Step([token], 0, verify_s=time.perf_counter() - t0)
 
-    def suffix_only_candidates(self) -> list[list[int]]:
-        """The continuations a suffix-only step would verify now (empty: no match, or no such arm).
-        With several, the first (most frequent, longest match) is cut to leave the others a
-        quarter of the budget."""
-        self.suffix_match = 0
+    def suffix_only_candidates(self) -> tuple[list[list[int]], int]:
+        """The continuations a suffix-only step would verify now (empty: no match, or no such arm),
+        and the longest match they continue (0: none). With several, the first (most frequent,
+        longest match) is cut to leave the others a quarter of the budget."""
         if self.suffix is None or not self.suffix_only_tokens:
-            return []
+            return [], 0
         budget = self.suffix_only_budget()
         shortest = self.policy.suffix_only_min_match
         cands = [c for c in self.suffix.propose(budget) if c.match_len >= shortest]
-        self.suffix_match = max((c.match_len for c in cands), default=0)
-        return first_cut([c.tokens for c in cands], budget)
+        return first_cut([c.tokens for c in cands], budget), max((c.match_len for c in cands), default=0)
 
     def suffix_only_budget(self) -> int:
         """Nodes a suffix-only block may hold now: SUFFIX_GROWTH x (the last block's accepted nodes

@@ -47,10 +47,10 @@ say will lose much waits longer still: the next probe comes no sooner than the s
 its predicted loss (`probe_loss_ms`: its steps' time past what the leader takes for as many
 tokens) is probe_share of the leader's time, up to max_quiet_every steps. At T=1 on the GGUF
 codes a probe of a sampled shape loses ~15 ms (four steps at ~1.2-1.6 tokens, each dearer than two
-plain ones), and probes every 128 steps cost ~3% of the time: more than any shape won back. A first try and a probe each
-run `probe_steps` steps: sampled requests take SAMPLED_PROBE_STEPS, since one step's acceptance
-there is a coin flip, and single-step tries often left a paying shape at "1.0 tokens a step" behind
-plain decoding, probed again only a doubling interval later.
+plain ones), and probes every 128 steps cost ~3% of the time: more than any shape won back. A
+first try and a probe each run `probe_steps` steps: sampled requests take SAMPLED_PROBE_STEPS,
+since one step's acceptance there is a coin flip, and single-step tries often left a paying shape
+at "1.0 tokens a step" behind plain decoding, probed again only a doubling interval later.
 Choosing never changes what is emitted: every arm is lossless.
 """
 from __future__ import annotations
@@ -337,13 +337,18 @@ class AdaptivePolicy:
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
                 "catch_up": {k: round(v, 1) for k, v in self.catch_ups.items()},
                 "probe_every": self.interval,
-                "arms": {name_of(a): {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
-                                      "levels": round(st.levels.value, 2),
-                                      "correction": round(st.correction, 3), "steps": st.steps}
+                "arms": {name_of(a): _averages(st, levels=True)
                          for a, st in self.stats.items() if st.steps and a != SUFFIX_ONLY},
-                "suffix_by_match": {label: {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2),
-                                            "correction": round(st.correction, 3), "steps": st.steps}
+                "suffix_by_match": {label: _averages(st)
                                     for label, st in zip(suffix_class_labels(), self.suffix_classes) if st.steps}}
+
+
+def _averages(st: ArmStats, levels: bool = False) -> dict:
+    """An arm's averages as the summary reports them (a suffix-only class runs no draft levels)."""
+    out = {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2)}
+    if levels:
+        out["levels"] = round(st.levels.value, 2)
+    return {**out, "correction": round(st.correction, 3), "steps": st.steps}
 
 
 def suffix_class_labels() -> list[str]:
