@@ -157,12 +157,15 @@ def test_accepted_suffix_counts_suffix_only_nodes():
 # ---------------------------------------------------------------------------- no draft at all
 def draftless_policy(greedy: bool = True):
     """What api.adaptive_policy(target, None) makes (no tree shapes: suffix-only blocks or plain),
-    probing every other step: a 40-token run sees the repeats early."""
+    probing every other step: a 40-token run sees the repeats early. probe_share=0: the probes'
+    intervals then do not depend on the machine's timing of this run's steps (the costs are
+    corrected by wall time, and a slow moment in a busy suite made a probe look dear enough to
+    wait past the repeats)."""
     from eagle3.runtime.costs import CostTable
     from eagle3.speculative.policy import DRAFTLESS_SUFFIX_TOKENS, AdaptivePolicy
     table = CostTable((1, 2, 4, 8, 16, 32, 64), (1.0, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6), ())
     return AdaptivePolicy((), table, suffix_only_tokens=DRAFTLESS_SUFFIX_TOKENS, probe_every=2,
-                          max_probe_every=4)
+                          max_probe_every=4, probe_share=0)
 
 
 def test_a_target_without_a_draft_speculates_with_suffix_blocks(target, reference):
