@@ -49,6 +49,9 @@ class Scripted:
     def observe(self, arm, step, levels, wall_ms, timed=True):
         self.observed = getattr(self, "observed", []) + [(arm, levels, wall_ms)]
 
+    def observe_shadow(self, match, tokens, rows):
+        self.shadows = getattr(self, "shadows", []) + [(match, tokens, rows)]
+
     def observe_catch_up(self, rows, ms):
         self.catch_ups = getattr(self, "catch_ups", []) + [(rows, ms)]
 
@@ -251,7 +254,7 @@ def _suffix_only_run(target, reference, text: list[int], cache_len: int = 128, b
     steps, budgets = [dec.prefill(PROMPT, MAX_NEW)], []
     dec.suffix = OracleIndex(text, len(PROMPT) + 1)
     while sum(len(s.tokens) for s in steps) < MAX_NEW:
-        budgets.append(dec.suffix_only_budget())
+        budgets.append(dec.suffix_only_budget(16))      # the oracle's match: a copy under way
         steps.append(dec.step())
     emitted = [t for s in steps for t in s.tokens]
     assert emitted[:MAX_NEW] == reference
@@ -301,3 +304,22 @@ def test_a_grown_suffix_only_budget_stays_within_the_caches_room(target, referen
     assert all(b <= max(base, base + cache_len - n - slack) for b, n in zip(budgets, lengths)), (budgets, lengths)
     assert all(n + b + 1 <= cache_len for b, n in zip(budgets, lengths))
     assert max(budgets) > base and any(b < w for b, w in zip(budgets, wants)), (budgets, wants)   # held by the room
+
+
+def test_a_block_not_taken_is_judged_by_the_greedy_tokens(target, reference):
+    """Plain steps throughout, with the index proposing the real continuation: each untaken block
+    is reported once its tokens are emitted, as accepted whole (tokens = its nodes + 1); a block
+    after a match shorter than 8 tokens has its class's fixed size."""
+    from eagle3.speculative.decoder import SHORT_MATCH_NODES
+    draft = tiny_draft(target)
+    policy = Scripted((PLAIN,))
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    steps = [dec.prefill(PROMPT, MAX_NEW)]
+    dec.suffix = OracleIndex(PROMPT + reference, len(PROMPT) + 1)
+    while sum(len(s.tokens) for s in steps) < 20:
+        steps.append(dec.step())
+    assert [t for s in steps for t in s.tokens][:20] == reference[:20]
+    grown = dec.suffix_only_budget(16)
+    assert policy.shadows and all(s == (16, grown + 1, grown + 1) for s in policy.shadows)
+    assert [dec.suffix_only_budget(m) for m in (2, 5)] == [nodes for _, nodes in SHORT_MATCH_NODES]

@@ -258,7 +258,7 @@ def test_suffix_only_is_offered_with_a_match_and_taken_when_its_rate_is_highest(
 
 def test_suffix_only_averages_are_kept_per_match_class():
     """A long match is a copy or a loop under way, a short one a guess: a suffix-only block's
-    averages are kept per class (shorter than 8 tokens, 8 and more), so failed guesses after short
+    averages are kept per class (shorter than 4 tokens, 4-7, 8 and more), so failed guesses after short
     matches neither keep them coming nor put the copies' blocks below plain decoding."""
     p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
     feed(p, p.choose(), accepted=0, proposed=7, levels=4)            # the tree, untried, first
@@ -273,7 +273,7 @@ def test_suffix_only_averages_are_kept_per_match_class():
     assert short[0] == SUFFIX_ONLY and short[1:] == [PLAIN] * 29      # its class tried once
     assert p.choose(suffix_ready=True, suffix_match=9) == SUFFIX_ONLY  # copies still pay
     assert p.summary()["suffix_by_match"] == {
-        "<8": {"tokens": 1.0, "rows": 8.0, "correction": 1.0, "steps": 1},
+        "<4": {"tokens": 1.0, "rows": 8.0, "correction": 1.0, "steps": 1},
         "8+": {"tokens": 8.0, "rows": 8.0, "correction": 1.0, "steps": 3}}
 
 
@@ -403,3 +403,20 @@ def test_one_step_held_up_barely_moves_an_arms_cost_and_a_lasting_change_is_foll
     for _ in range(15):                            # the machine really is 2x slower now
         feed(p, PLAIN, 0, 0, 0, wall_ms=2 * TABLE.target(1))
     assert p.cost_ms(PLAIN) >= 1.75 * TABLE.target(1)
+
+
+def test_blocks_not_taken_teach_their_class_without_a_probe():
+    """A greedy step's suffix block that was not taken is judged by the tokens emitted next
+    (observe_shadow): a class whose blocks would pay is taken at its next match, with no probe due,
+    and one whose blocks would fail is left to plain decoding, also untried."""
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=0)
+    feed(p, p.choose(), accepted=0, proposed=7, levels=4)            # the tree, untried, first
+    for _ in range(3):                                               # at a match of 5: 6 tokens
+        p.observe_shadow(5, tokens=6, rows=7)
+    for _ in range(3):                                               # at a match of 2: 1 token
+        p.observe_shadow(2, tokens=1, rows=4)
+    assert p.choose(suffix_ready=True, suffix_match=5) == SUFFIX_ONLY
+    assert p.choose(suffix_ready=True, suffix_match=2) == PLAIN
+    assert p.summary()["suffix_by_match"] == {
+        "<4": {"tokens": 1.0, "rows": 4.0, "correction": 1.0, "steps": 0, "shadows": 3},
+        "4-7": {"tokens": 6.0, "rows": 7.0, "correction": 1.0, "steps": 0, "shadows": 3}}

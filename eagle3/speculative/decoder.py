@@ -17,7 +17,8 @@ Prefill leaves the prompt's rows waiting the same way (with or without a policy)
 decoded plainly throughout never runs the draft.
 A suffix-only step (policy.SUFFIX_ONLY, chosen only at a step where the suffix index has a match)
 verifies the root and the index's continuations alone (2 x (the last suffix-only block's accepted
-nodes + 1) nodes, within half to four times policy.suffix_only_tokens: `suffix_only_budget`) and
+nodes + 1) nodes, within half to four times policy.suffix_only_tokens, after a match of 8+ tokens;
+a fixed size by the match's class after a shorter one: `suffix_only_budget`) and
 runs no draft forward either: the (features, next ids) rows of its accepted nodes wait in `pending`
 like a plain step's, and its tree goes through the same verifiers as a hybrid tree (a suffix
 continuation is a point-mass proposal, fixed by the context; see verify.py).
@@ -72,6 +73,40 @@ class DraftHead(NamedTuple):
 # doubling after each block accepted whole.
 SUFFIX_GROWTH = 2
 SUFFIX_MAX_FACTOR = 4
+# ... that at a match of 8+ tokens. A shorter match is a guess, not a copy under way: its block has a
+# fixed size by the match's class (the policy's SUFFIX_MATCH_CLASSES), (upper bound, nodes) below.
+# Replayed on the 80 greedy MT-bench answers with the decoder's step costs as measured on the codes
+# (studies/suffix-budget), 3 / 6 nodes there and the growth rule at 8+ gave 1.29x plain, the growth
+# rule at every match 1.17x and blocks at 8+ only 1.17x.
+SHORT_MATCH_NODES = ((4, 3), (8, 6))
+
+
+class Shadow:
+    """A suffix-only block not taken at a greedy step, judged by the tokens emitted from that step
+    on: at T=0 the target's choice decides acceptance whatever arm emits the tokens, so the block
+    would have accepted the longest common prefix of a continuation and those tokens. Known once
+    every continuation has met a mismatch or its end (AdaptivePolicy.observe_shadow)."""
+
+    def __init__(self, conts: list[list[int]], match: int, rows: int):
+        self.conts, self.match, self.rows = conts, match, rows
+        self.matched = [0] * len(conts)      # per continuation: tokens matched so far
+        self.open = list(range(len(conts)))  # continuations not yet ended
+
+    def feed(self, tokens: list[int]) -> Optional[int]:
+        """The accepted nodes once known (None: not yet)."""
+        still = []
+        for i in self.open:
+            cont, before = self.conts[i], self.matched[i]
+            n = before
+            for tok in tokens:
+                if n == len(cont) or cont[n] != tok:
+                    break
+                n += 1
+            self.matched[i] = n
+            if n < len(cont) and n == before + len(tokens):     # every token matched, more to come
+                still.append(i)
+        self.open = still
+        return None if still else max(self.matched)
 
 
 class Verified(NamedTuple):
@@ -110,6 +145,7 @@ class SpecDecoder:
         self.head: Optional[DraftHead] = None
         self.suffix: Optional[SuffixIndex] = None   # over the prompt and the output so far
         self.suffix_last: Optional[int] = None      # the last suffix-only block's accepted nodes
+        self.shadow: Optional[Shadow] = None        # a block not taken, being judged (greedy)
 
     @property
     def expected_ms(self) -> Optional[float]:
@@ -130,7 +166,7 @@ class SpecDecoder:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
-        self.pending, self.suffix_last = [], None
+        self.pending, self.suffix_last, self.shadow = [], None, None
         for cache in self.caches:
             cache.reset()
             cache.check_room(n + max_new_tokens + self.slack - 1)
@@ -163,11 +199,14 @@ class SpecDecoder:
         if arm == PLAIN:
             step = self.plain_step()
         elif arm == SUFFIX_ONLY:
-            step = self.suffix_step(conts)
+            step = self.suffix_step(conts, self.suffix_only_budget(match))
         else:
             self.spec = arm
             step = self.tree_step()
         wall_ms = 1e3 * (time.perf_counter() - t0)
+        if conts and arm != SUFFIX_ONLY and self.shadow is None and self.params.greedy:
+            self.shadow = Shadow(conts, match, 1 + min(self.suffix_only_budget(match), sum(map(len, conts))))
+        self._judge_shadow(step.tokens)
         self.last_run = (arm, step.proposed + 1, self.levels, self.caught_up[0] if self.caught_up else 0)
         if self.caught_up is not None:
             # the draft's catch-up over rows that plain / suffix-only steps left is the price of
@@ -179,6 +218,16 @@ class SpecDecoder:
             wall_ms -= ms
         self.policy.observe(arm, step, self.levels, wall_ms, timed=self.timed)
         return step._replace(arm=name_of(arm))
+
+    def _judge_shadow(self, tokens: list[int]) -> None:
+        """Feed the emitted tokens to the block being judged; once known, the policy gets what it
+        would have emitted."""
+        if self.shadow is None:
+            return
+        accepted = self.shadow.feed(tokens)
+        if accepted is not None:
+            self.policy.observe_shadow(self.shadow.match, accepted + 1, self.shadow.rows)
+            self.shadow = None
 
     def plain_step(self) -> Step:
         """One target forward of the root; the token drawn as plain decoding draws it."""
@@ -200,26 +249,33 @@ class SpecDecoder:
         longest match) is cut to leave the others a quarter of the budget."""
         if self.suffix is None or not self.suffix_only_tokens:
             return [], 0
-        budget = self.suffix_only_budget()
         shortest = self.policy.suffix_only_min_match
-        cands = [c for c in self.suffix.propose(budget) if c.match_len >= shortest]
-        return first_cut([c.tokens for c in cands], budget), max((c.match_len for c in cands), default=0)
+        cands = [c for c in self.suffix.propose(self.suffix_only_budget()) if c.match_len >= shortest]
+        match = max((c.match_len for c in cands), default=0)
+        budget = self.suffix_only_budget(match)
+        return first_cut([c.tokens[:budget] for c in cands], budget), match
 
-    def suffix_only_budget(self) -> int:
-        """Nodes a suffix-only block may hold now: SUFFIX_GROWTH x (the last block's accepted nodes
-        + 1), within [suffix_only_tokens // 2, SUFFIX_MAX_FACTOR x suffix_only_tokens]; past
-        suffix_only_tokens only as far as both caches have room beyond the slack reserved at
-        prefill."""
+    def suffix_only_budget(self, match: Optional[int] = None) -> int:
+        """Nodes a suffix-only block may hold now. After a match shorter than 8 tokens: the fixed
+        size of its class (SHORT_MATCH_NODES, at most suffix_only_tokens). Else (or match None: the
+        most any block may hold) SUFFIX_GROWTH x (the last block's accepted nodes + 1), within
+        [suffix_only_tokens // 2, SUFFIX_MAX_FACTOR x suffix_only_tokens]; past suffix_only_tokens
+        only as far as both caches have room beyond the slack reserved at prefill."""
         base = self.suffix_only_tokens
+        for bound, nodes in SHORT_MATCH_NODES:
+            if match is not None and match < bound:
+                return min(nodes, base)
         last = self.suffix_last
         want = base // 2 if last is None else SUFFIX_GROWTH * (last + 1)
+        if match is None:
+            want = SUFFIX_MAX_FACTOR * base
         want = min(max(want, base // 2, 1), SUFFIX_MAX_FACTOR * base)
         if want <= base:
             return want
         room = min(c.max_len for c in self.caches) - self.cache.length - self.slack
         return max(base, min(want, base + room))
 
-    def suffix_step(self, conts: list[list[int]]) -> Step:
+    def suffix_step(self, conts: list[list[int]], budget: int) -> Step:
         """The root and the suffix continuations, verified in one target forward; no draft forward
         (the accepted nodes' rows wait in `pending` for the next drafted tree)."""
         if not conts:
@@ -227,7 +283,6 @@ class SpecDecoder:
                                 "choose SUFFIX_ONLY only with choose(suffix_ready=True)")
         t0 = time.perf_counter()
         start = self.cache.length
-        budget = self.suffix_only_budget()
         m = merge_suffix([int(self.root)], [-1], conts, budget)
         tree = build_tree(self._ids(m.tokens), self._ids(m.parents), start, m.depth, m.sources)
         acc, features = self._verify(tree, start)

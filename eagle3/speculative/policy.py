@@ -88,14 +88,15 @@ SAMPLED_MEMORY = 0.97
 DRAFTLESS_SUFFIX_TOKENS = 8
 DRAFTLESS_MIN_MATCH = 4
 SAMPLED_PROBE_STEPS = 4
-# a suffix-only block's averages are kept per class of the match it continues (shorter than 8
-# tokens, or 8 and more): a long match is a copy or a loop under way, whose blocks accept many
-# tokens, a short one a guess. With one average over all, the short matches' guesses put the arm
-# below plain decoding: on 40 greedy MT-bench answers (the default codes) it was offered at ~1,660
-# steps with a match of 8+ and taken at 68; with the classes, 180 suffix-only blocks covered those
-# stretches. (Classes at 4 and 8 split the short matches' few tries further, and a class that
-# failed its first try was left for a probe interval.)
-SUFFIX_MATCH_CLASSES = (8,)
+# a suffix-only block's averages are kept per class of the match it continues (shorter than 4
+# tokens, 4-7, 8 and more): a long match is a copy or a loop under way, whose blocks accept many
+# tokens, a short one a guess (SpecDecoder sizes its block by the class). With one average over all,
+# the short matches' guesses put the arm below plain decoding: on 40 greedy MT-bench answers (the
+# default codes) it was offered at ~1,660 steps with a match of 8+ and taken at 68. The short
+# classes learn from the blocks not taken too (observe_shadow): with probes alone a class that
+# failed its first try was left for a probe interval, and blocks were taken at 170 of 4,393 steps
+# with a match of 2-7 tokens where they paid.
+SUFFIX_MATCH_CLASSES = (4, 8)
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
@@ -130,6 +131,7 @@ class ArmStats:
     memory: float
     steps: int = 0
     last_step: int = -1
+    shadows: int = 0           # untaken suffix-only blocks judged by the greedy tokens (observe_shadow)
 
     def __post_init__(self):
         self.tokens, self.rows, self.levels, self.ratio = (Rolling(self.memory) for _ in range(4))
@@ -213,7 +215,7 @@ class AdaptivePolicy:
         if suffix_ready:
             self._suffix_class(suffix_match)
         arms = self.arms(suffix_ready)
-        untried = [a for a in arms if a != PLAIN and self.stats[a].steps < self.probe_steps]
+        untried = [a for a in arms if a != PLAIN and self.stats[a].steps + self.stats[a].shadows < self.probe_steps]
         if untried:
             return untried[0]
         arm, left = self.run
@@ -250,10 +252,14 @@ class AdaptivePolicy:
 
     def _suffix_class(self, match: int) -> None:
         """Read and update the suffix-only averages of the class of a `match` tokens long."""
-        stats = self.suffix_classes[sum(match >= c for c in SUFFIX_MATCH_CLASSES)]
+        stats = self.suffix_classes[self._class_index(match)]
         if self.stats[SUFFIX_ONLY] is not stats:
             self.stats[SUFFIX_ONLY] = stats
             self.rates.pop(SUFFIX_ONLY, None)
+
+    @staticmethod
+    def _class_index(match: int) -> int:
+        return sum(match >= c for c in SUFFIX_MATCH_CLASSES)
 
     def _follow(self, best: Arm) -> None:
         """Probe at the base interval again when the leading arm changed. The leader is taken
@@ -326,6 +332,19 @@ class AdaptivePolicy:
             self.rates = {PLAIN: self.rates[PLAIN]} if PLAIN in self.rates else {}   # all read it
         s.ratio.add_bounded(wall_ms / self.table_ms(arm, rows, levels))
 
+    def observe_shadow(self, match: int, tokens: int, rows: int) -> None:
+        """A suffix-only block not taken at a greedy step, judged by the tokens emitted after it
+        (the target's own choice decides acceptance, whatever arm emitted them): it would have
+        emitted `tokens` verifying `rows` rows. It moves its match class's tokens and rows averages
+        as a taken block does, not the cost correction (no time was spent), so a class where
+        blocks pay is found from the plain steps themselves, without probes."""
+        stats = self.suffix_classes[self._class_index(match)]
+        stats.tokens.add(tokens)
+        stats.rows.add(rows)
+        stats.shadows += 1
+        if self.stats[SUFFIX_ONLY] is stats:
+            self.rates.pop(SUFFIX_ONLY, None)
+
     def observe_catch_up(self, rows: int, ms: float) -> None:
         """A drafting step first ran the draft over `rows` rows that plain or suffix-only steps left
         waiting: the price of returning to drafting (the step's wall time and levels passed to
@@ -340,7 +359,8 @@ class AdaptivePolicy:
                 "arms": {name_of(a): _averages(st, levels=True)
                          for a, st in self.stats.items() if st.steps and a != SUFFIX_ONLY},
                 "suffix_by_match": {label: _averages(st)
-                                    for label, st in zip(suffix_class_labels(), self.suffix_classes) if st.steps}}
+                                    for label, st in zip(suffix_class_labels(), self.suffix_classes)
+                                    if st.steps or st.shadows}}
 
 
 def _averages(st: ArmStats, levels: bool = False) -> dict:
@@ -348,7 +368,8 @@ def _averages(st: ArmStats, levels: bool = False) -> dict:
     out = {"tokens": round(st.tokens.value, 3), "rows": round(st.rows.value, 2)}
     if levels:
         out["levels"] = round(st.levels.value, 2)
-    return {**out, "correction": round(st.correction, 3), "steps": st.steps}
+    out = {**out, "correction": round(st.correction, 3), "steps": st.steps}
+    return {**out, "shadows": st.shadows} if st.shadows else out
 
 
 def suffix_class_labels() -> list[str]:
