@@ -310,7 +310,7 @@ def test_a_block_not_taken_is_judged_by_the_greedy_tokens(target, reference):
     """Plain steps throughout, with the index proposing the real continuation: each untaken block
     is reported once its tokens are emitted, as accepted whole (tokens = its nodes + 1); a block
     after a match shorter than 8 tokens has its class's fixed size."""
-    from eagle3.speculative.decoder import SHORT_MATCH_NODES
+    from eagle3.speculative.policy import SHORT_MATCH_NODES
     draft = tiny_draft(target)
     policy = Scripted((PLAIN,))
     dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
@@ -322,4 +322,4 @@ def test_a_block_not_taken_is_judged_by_the_greedy_tokens(target, reference):
     assert [t for s in steps for t in s.tokens][:20] == reference[:20]
     grown = dec.suffix_only_budget(16)
     assert policy.shadows and all(s == (16, grown + 1, grown + 1) for s in policy.shadows)
-    assert [dec.suffix_only_budget(m) for m in (2, 5)] == [nodes for _, nodes in SHORT_MATCH_NODES]
+    assert [dec.suffix_only_budget(m) for m in (2, 5)] == list(SHORT_MATCH_NODES)

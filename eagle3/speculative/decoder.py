@@ -52,7 +52,7 @@ from ..models.layers import tree_block_mask
 from ..models.kv_cache import KVCache
 from ..draft.model import DraftBase
 from .merge import SUFFIX, merge_suffix
-from .policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
+from .policy import PLAIN, SHORT_MATCH_NODES, SUFFIX_ONLY, AdaptivePolicy, match_class, name_of
 from .suffix import SuffixIndex
 from .tree import (Frontier, Level, SpecParams, Tree, build_tree, concat_levels, expand,
                    root_frontier, select_nodes)
@@ -74,11 +74,7 @@ class DraftHead(NamedTuple):
 SUFFIX_GROWTH = 2
 SUFFIX_MAX_FACTOR = 4
 # ... that at a match of 8+ tokens. A shorter match is a guess, not a copy under way: its block has a
-# fixed size by the match's class (the policy's SUFFIX_MATCH_CLASSES), (upper bound, nodes) below.
-# Replayed on the 80 greedy MT-bench answers with the decoder's step costs as measured on the codes
-# (studies/suffix-budget), 3 / 6 nodes there and the growth rule at 8+ gave 1.29x plain, the growth
-# rule at every match 1.17x and blocks at 8+ only 1.17x.
-SHORT_MATCH_NODES = ((4, 3), (8, 6))
+# fixed size by the match's class (policy.SHORT_MATCH_NODES).
 
 
 class Shadow:
@@ -193,19 +189,19 @@ class SpecDecoder:
         if self.policy is None:
             return self.tree_step()
         t0 = time.perf_counter()
-        conts, match = self.suffix_only_candidates()
+        conts, match, budget = self.suffix_only_candidates()
         arm = self.policy.choose(suffix_ready=bool(conts), suffix_match=match)
         self.levels, self.caught_up = 0, None
         if arm == PLAIN:
             step = self.plain_step()
         elif arm == SUFFIX_ONLY:
-            step = self.suffix_step(conts, self.suffix_only_budget(match))
+            step = self.suffix_step(conts, budget)
         else:
             self.spec = arm
             step = self.tree_step()
         wall_ms = 1e3 * (time.perf_counter() - t0)
         if conts and arm != SUFFIX_ONLY and self.shadow is None and self.params.greedy:
-            self.shadow = Shadow(conts, match, 1 + min(self.suffix_only_budget(match), sum(map(len, conts))))
+            self.shadow = Shadow(conts, match, 1 + min(budget, sum(map(len, conts))))
         self._judge_shadow(step.tokens)
         self.last_run = (arm, step.proposed + 1, self.levels, self.caught_up[0] if self.caught_up else 0)
         if self.caught_up is not None:
@@ -243,33 +239,35 @@ class SpecDecoder:
             self.suffix.extend([token])
         return Step([token], 0, verify_s=time.perf_counter() - t0)
 
-    def suffix_only_candidates(self) -> tuple[list[list[int]], int]:
+    def suffix_only_candidates(self) -> tuple[list[list[int]], int, int]:
         """The continuations a suffix-only step would verify now (empty: no match, or no such arm),
-        and the longest match they continue (0: none). With several, the first (most frequent,
-        longest match) is cut to leave the others a quarter of the budget."""
+        the longest match they continue (0: none) and the block's nodes for it. With several, the
+        first (most frequent, longest match) is cut to leave the others a quarter of the budget."""
         if self.suffix is None or not self.suffix_only_tokens:
-            return [], 0
+            return [], 0, 0
         shortest = self.policy.suffix_only_min_match
-        cands = [c for c in self.suffix.propose(self.suffix_only_budget()) if c.match_len >= shortest]
+        most = self._within_room(SUFFIX_MAX_FACTOR * self.suffix_only_tokens)
+        cands = [c for c in self.suffix.propose(most) if c.match_len >= shortest]
         match = max((c.match_len for c in cands), default=0)
         budget = self.suffix_only_budget(match)
-        return first_cut([c.tokens[:budget] for c in cands], budget), match
+        return first_cut([c.tokens[:budget] for c in cands], budget), match, budget
 
-    def suffix_only_budget(self, match: Optional[int] = None) -> int:
-        """Nodes a suffix-only block may hold now. After a match shorter than 8 tokens: the fixed
-        size of its class (SHORT_MATCH_NODES, at most suffix_only_tokens). Else (or match None: the
-        most any block may hold) SUFFIX_GROWTH x (the last block's accepted nodes + 1), within
-        [suffix_only_tokens // 2, SUFFIX_MAX_FACTOR x suffix_only_tokens]; past suffix_only_tokens
-        only as far as both caches have room beyond the slack reserved at prefill."""
-        base = self.suffix_only_tokens
-        for bound, nodes in SHORT_MATCH_NODES:
-            if match is not None and match < bound:
-                return min(nodes, base)
+    def suffix_only_budget(self, match: int) -> int:
+        """Nodes a suffix-only block continuing a match `match` tokens long holds now. Below the
+        last match class: its fixed size (policy.SHORT_MATCH_NODES, at most suffix_only_tokens).
+        Else SUFFIX_GROWTH x (the last block's accepted nodes + 1), within [suffix_only_tokens // 2,
+        SUFFIX_MAX_FACTOR x suffix_only_tokens] and the caches' room (`_within_room`)."""
+        base, cls = self.suffix_only_tokens, match_class(match)
+        if cls < len(SHORT_MATCH_NODES):
+            return min(SHORT_MATCH_NODES[cls], base)
         last = self.suffix_last
         want = base // 2 if last is None else SUFFIX_GROWTH * (last + 1)
-        if match is None:
-            want = SUFFIX_MAX_FACTOR * base
-        want = min(max(want, base // 2, 1), SUFFIX_MAX_FACTOR * base)
+        return self._within_room(min(max(want, base // 2, 1), SUFFIX_MAX_FACTOR * base))
+
+    def _within_room(self, want: int) -> int:
+        """`want` nodes, past suffix_only_tokens only as far as both caches have room beyond the
+        slack reserved at prefill."""
+        base = self.suffix_only_tokens
         if want <= base:
             return want
         room = min(c.max_len for c in self.caches) - self.cache.length - self.slack

@@ -59,7 +59,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from ..errors import InputError
+from ..errors import ContractError, InputError
 from .step import Step
 from .tree import SpecParams
 
@@ -101,6 +101,20 @@ SAMPLED_MIN_MATCH = 8
 # failed its first try was left for a probe interval, and blocks were taken at 170 of 4,393 steps
 # with a match of 2-7 tokens where they paid.
 SUFFIX_MATCH_CLASSES = (4, 8)
+# a suffix-only block's nodes after a match of each class but the last (<4, 4-7; SpecDecoder's
+# growth rule at 8+). Replayed on the 80 greedy MT-bench answers with the decoder's step costs as
+# measured on the codes (studies/suffix-budget), 3 / 6 nodes there and the growth rule at 8+ gave
+# 1.29x plain, the growth rule at every match 1.17x and blocks at 8+ only 1.17x.
+SHORT_MATCH_NODES = (3, 6)
+if len(SHORT_MATCH_NODES) != len(SUFFIX_MATCH_CLASSES):
+    raise ContractError("SHORT_MATCH_NODES", len(SHORT_MATCH_NODES), len(SUFFIX_MATCH_CLASSES),
+                        "give one block size per match class below the last (SUFFIX_MATCH_CLASSES)")
+
+
+def match_class(match: int) -> int:
+    """The class of a suffix match `match` tokens long: 0 below SUFFIX_MATCH_CLASSES[0], ..."""
+    return sum(match >= c for c in SUFFIX_MATCH_CLASSES)
+
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
@@ -219,7 +233,8 @@ class AdaptivePolicy:
         if suffix_ready:
             self._suffix_class(suffix_match)
         arms = self.arms(suffix_ready)
-        untried = [a for a in arms if a != PLAIN and self.stats[a].steps + self.stats[a].shadows < self.probe_steps]
+        tries = {a: self.stats[a].steps + self.stats[a].shadows for a in arms if a != PLAIN}
+        untried = [a for a, n in tries.items() if n < self.probe_steps]
         if untried:
             return untried[0]
         arm, left = self.run
@@ -256,14 +271,10 @@ class AdaptivePolicy:
 
     def _suffix_class(self, match: int) -> None:
         """Read and update the suffix-only averages of the class of a `match` tokens long."""
-        stats = self.suffix_classes[self._class_index(match)]
+        stats = self.suffix_classes[match_class(match)]
         if self.stats[SUFFIX_ONLY] is not stats:
             self.stats[SUFFIX_ONLY] = stats
             self.rates.pop(SUFFIX_ONLY, None)
-
-    @staticmethod
-    def _class_index(match: int) -> int:
-        return sum(match >= c for c in SUFFIX_MATCH_CLASSES)
 
     def _follow(self, best: Arm) -> None:
         """Probe at the base interval again when the leading arm changed. The leader is taken
@@ -342,7 +353,7 @@ class AdaptivePolicy:
         emitted `tokens` verifying `rows` rows. It moves its match class's tokens and rows averages
         as a taken block does, not the cost correction (no time was spent), so a class where
         blocks pay is found from the plain steps themselves, without probes."""
-        stats = self.suffix_classes[self._class_index(match)]
+        stats = self.suffix_classes[match_class(match)]
         stats.tokens.add(tokens)
         stats.rows.add(rows)
         stats.shadows += 1
@@ -377,7 +388,7 @@ def _averages(st: ArmStats, levels: bool = False) -> dict:
 
 
 def suffix_class_labels() -> list[str]:
-    """The match classes' names ("<8", "8+")."""
+    """The match classes' names ("<4", "4-7", "8+")."""
     bounds = SUFFIX_MATCH_CLASSES
     return ([f"<{bounds[0]}"] + [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:])] + [f"{bounds[-1]}+"])
 
