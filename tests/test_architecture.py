@@ -25,6 +25,7 @@ MAY_NOT = {
     "generate": {"export", "api", "cli", "serve", "bench", "doctor", "train"},
     "export": {"generate", "api", "serve", "bench", "doctor", "train"},
     "train": {"generate", "api", "serve", "bench", "doctor", "export"},
+    "learn": {"api", "cli", "serve", "bench", "doctor"},
     "serve": {"bench", "doctor", "train", "cli"},
     "bench": {"serve", "doctor", "train", "cli"},
     "doctor": {"serve", "bench", "train", "cli"},

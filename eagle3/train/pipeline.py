@@ -248,10 +248,11 @@ def build_run(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Di
 
 def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist = Dist(),
           out: Optional[Path] = None, progress=None, parts: Optional[Sequence[DataPart]] = None,
-          external: External = External()) -> Eagle3Draft:
+          external: External = External(), between_steps=None) -> Eagle3Draft:
     """Train (resuming from out/checkpoint.pt when present) and return the draft. `parts`: where
     the samples come from (data files in order, the held-out file last); None = one part.
-    `external`: a vocabulary and feature rows made elsewhere (speculators data)."""
+    `external`: a vocabulary and feature rows made elsewhere (speculators data). `between_steps`:
+    called before every training step (trainer.train_loop)."""
     out = out or cfg.out_dir
     out.mkdir(parents=True, exist_ok=True)
     warm = WarmSource.load(Path(cfg.init_from), target.config) if cfg.init_from else None
@@ -261,7 +262,7 @@ def train(target: LlamaModel, samples: list[Sample], cfg: TrainConfig, d: Dist =
         state = restore(run.ckpt, model, run.opt)
     elif warm is not None:
         warm_start(model, warm)
-    train_loop(run, cfg, state, d, progress)
+    train_loop(run, cfg, state, d, progress, between_steps)
     return model.draft
 
 

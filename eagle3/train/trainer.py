@@ -244,14 +244,18 @@ def total_steps(run: Run, cfg: TrainConfig) -> int:
 
 
 def train_loop(run: Run, cfg: TrainConfig, state: TrainState, d: Dist,
-               progress: Optional[Callable] = None) -> TrainState:
-    """Train from `state` to the end (or cfg.max_steps); checkpoints and logs on rank 0."""
+               progress: Optional[Callable] = None,
+               between_steps: Optional[Callable[[], None]] = None) -> TrainState:
+    """Train from `state` to the end (or cfg.max_steps); checkpoints and logs on rank 0.
+    between_steps: called before every step (a learner waits there while the server is busy)."""
     inner = unwrap(run.model)
     total = total_steps(run, cfg)
     stop = min(total, cfg.max_steps or total)
     bar = progress(total=stop, initial=state.step) if progress and d.main else None
     last_save, step, cursor = time.time(), state.step, state.cursor
     while step < stop:
+        if between_steps is not None:
+            between_steps()
         batches = epoch_batches(run.lengths, run.train_idx, cfg.batch_size, cfg.seed, cursor.epoch)
         if cursor.batch >= len(batches):
             cursor = Cursor(cursor.epoch + 1, 0)

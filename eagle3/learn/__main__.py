@@ -1,0 +1,5 @@
+import sys
+
+from .process import learner_main
+
+sys.exit(learner_main())
