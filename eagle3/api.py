@@ -180,6 +180,26 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     return make
 
 
+def load_draft_layout(path: Path, target, config: Optional[RunConfig] = None,
+                      algorithm: Optional[str] = None):
+    """A draft directory for a running engine's `target` (its inference layout or reference model):
+    loaded in fp32, the contract checked, laid out as config.draft_weights says (a learned
+    version swapped in while serving)."""
+    from .draft.contract import check_pair
+    from .draft.formats import load_draft
+    config = config or RunConfig()
+    loaded = load_draft(path, target.config, algorithm=algorithm, device=target.device,
+                        dtype=torch.float32, target=target)
+    check_pair(target.config, loaded.draft, algorithm, None, loaded.info)
+    drafter = loaded.draft.requires_grad_(False)
+    if not config.packed_draft or config.draft_weights == REFERENCE:
+        return drafter
+    from .draft.inference import build_draft_layout
+    choice = resolve_draft_weights(config.draft_weights, drafter) if drafter.device.type == "cpu" else "fp32"
+    dtype = draft_weight_dtype("auto") if choice == "q4" else WEIGHT_DTYPES[choice]
+    return build_draft_layout(drafter, dtype, quantize=choice == "q4")
+
+
 def load_engine(model: Optional[str] = None, draft: Optional[str] = "default", spec=None, *,
                 config: Optional[RunConfig] = None, max_model_len: int = 2048,
                 algorithm: Optional[str] = None, adaptive: bool = True) -> Engine:

@@ -131,6 +131,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     from . import tune_process
     tune_process()      # first: OpenMP reads its wait policy when torch loads (nothing above imports it)
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and any(a.split("=")[0] == "--from-traffic" for a in argv):
+        from .learn.process import from_traffic_main      # the learning round, offline
+        return _guard(lambda: from_traffic_main(argv[1:]))
     if argv and argv[0] in DELEGATED:
         module, func, _ = DELEGATED[argv[0]]
         runner = getattr(importlib.import_module(module), func)

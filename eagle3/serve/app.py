@@ -61,14 +61,17 @@ DEGRADED_HINT = (
 
 def create_app(engine, *, model_name: str = "eagle3", api_key: Optional[str] = None,
                max_queue: int = 64, max_body_bytes: int = MAX_BODY_BYTES,
-               max_batch: int = 1, prefix_cache_tokens: int = PREFIX_CACHE_TOKENS) -> FastAPI:
+               max_batch: int = 1, prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
+               learn=None) -> FastAPI:
     """An app serving `engine` (an eagle3.generate.Engine). Start it with its lifespan (uvicorn or
     `with TestClient(app)`): the lifespan starts and stops the engine worker. max_batch > 1 decodes
     up to that many requests together (continuous batching, generate.batch.BatchScheduler); with a
     speculative engine a greedy request that runs alone decodes speculatively (batch_mode), and a
-    prompt that starts like a recent one reuses those tokens' k/v (prefix_cache_tokens, 0: off)."""
+    prompt that starts like a recent one reuses those tokens' k/v (prefix_cache_tokens, 0: off).
+    learn: an eagle3.learn.LearnController (`--learn`): finished requests are captured, the learner
+    paused while the engine is busy, new draft versions swapped in between steps."""
     server = Server(engine, model_name, api_key, max_queue, max_body_bytes, max_batch,
-                    prefix_cache_tokens)
+                    prefix_cache_tokens, learn)
     app = FastAPI(title="eagle3", lifespan=server.lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.server = server
@@ -122,7 +125,7 @@ class Server:
 
     def __init__(self, engine, model_name: str, api_key: Optional[str], max_queue: int,
                  max_body_bytes: int, max_batch: int = 1,
-                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS):
+                 prefix_cache_tokens: int = PREFIX_CACHE_TOKENS, learn=None):
         self.engine, self.model_name, self.api_key = engine, model_name, api_key
         self.max_body_bytes = max_body_bytes
         self.tokenizer = copy.deepcopy(engine.tokenizer)   # the event loop's own (engine's is busy)
@@ -149,16 +152,31 @@ class Server:
                                  lambda: self.degraded)
         self.created = int(time.time())
         self.acceptance: Optional[dict] = None      # monitor snapshot after the last job
+        self.learn = learn
+        if learn is not None:
+            self.attach_learn(learn, scheduler)
+
+    def attach_learn(self, learn, scheduler) -> None:
+        """Learning from traffic (eagle3.learn): the worker's hooks and the /metrics gauges."""
+        self.worker.on_finished = lambda job, req: learn.finished(
+            job.prompt_ids, req.output.ids, job.params.temperature, job.learn)
+        self.worker.on_busy = learn.set_busy
+        learn.attach(self.engine, scheduler, self.worker.run_between_steps, learn_first_policy(self.engine))
+        self.metrics.watch_learn(learn.snapshot)
 
     @asynccontextmanager
     async def lifespan(self, app: FastAPI):
         # one thread: prompts are tokenized in arrival order, off the event loop
         self.tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="eagle3-tokenize")
         await self.worker.start()
+        if self.learn is not None:
+            self.learn.start()
         try:
             yield
         finally:
             await self.worker.stop()
+            if self.learn is not None:
+                self.learn.stop()
             self.tokenize_pool.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------ health
@@ -302,8 +320,8 @@ class Server:
         except Eagle3Error as e:
             raise APIError(400, str(e), param="max_tokens", code="invalid_value") from None
 
-    def submit(self, prompt_ids: list[int], params) -> Job:
-        job = Job(prompt_ids, params, asyncio.get_running_loop())
+    def submit(self, prompt_ids: list[int], params, learn: bool = True) -> Job:
+        job = Job(prompt_ids, params, asyncio.get_running_loop(), learn=learn)
         try:
             self.worker.submit(job)
         except QueueFull:
@@ -323,7 +341,7 @@ class Server:
             req = parse_request(ChatCompletionRequest if chat else CompletionRequest, body)
             self.check_model(req.model)
             prompt_ids = await self.tokenize(req, chat)
-            job = self.submit(prompt_ids, self.params(req, len(prompt_ids), chat))
+            job = self.submit(prompt_ids, self.params(req, len(prompt_ids), chat), req.learn)
         except APIError as e:
             self.metrics.requests.labels(endpoint, str(e.status)).inc()
             raise
@@ -332,6 +350,15 @@ class Server:
             return EventStream(gen.sse(), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return JSONResponse(await gen.collect(request))
+
+
+def learn_first_policy(engine):
+    """For a target served without a draft: the adaptive policy over a first learned draft's
+    costs (api.adaptive_policy), made when that draft arrives. None for an engine with a draft."""
+    if engine.draft is not None or engine.policy_factory is None:
+        return None
+    from ..api import adaptive_policy
+    return lambda layout: adaptive_policy(engine.target, layout)
 
 
 def parse_content_type(header: str) -> tuple[str, str]:

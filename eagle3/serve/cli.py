@@ -44,6 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "layout, the bf16 default; 0: off)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context length: prompt + max_tokens (default 2048)")
+    p.add_argument("--learn", default=None, metavar="DIR",
+                   help="learn from traffic: capture finished requests (prompt and reply token ids: "
+                        "users' text) under DIR, fine-tune the draft on them in a low-priority "
+                        "process, swap in versions that pass the gate (docs/learning.md). Off by default")
+    p.add_argument("--learn-min-tokens", type=int, default=20000,
+                   help="--learn: new captured tokens that start a learning round (default 20000)")
+    p.add_argument("--learn-max-bytes", type=int, default=2 << 30,
+                   help="--learn: the captured traffic's size bound, oldest shards dropped first "
+                        "(default 2 GiB)")
+    p.add_argument("--learn-replay", default=None, metavar="FILE",
+                   help="--learn: general conversations (regenerated data JSONL) mixed into every "
+                        "round so acceptance elsewhere does not fall")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -79,11 +91,35 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     name = args.served_model_name or args.model or DEFAULT_MODEL
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach it may use it", args.host)
+    learn = learn_controller(args, engine) if args.learn else None
     app = create_app(engine, model_name=name, api_key=args.api_key, max_queue=args.max_queue,
-                     max_batch=args.max_batch, prefix_cache_tokens=args.prefix_cache_tokens)
+                     max_batch=args.max_batch, prefix_cache_tokens=args.prefix_cache_tokens,
+                     learn=learn)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def learn_controller(args: argparse.Namespace, engine):
+    """The --learn controller, or None (logged) when DIR belongs to another target: the server
+    then serves its draft without learning."""
+    from pathlib import Path
+    from ..api import default_draft_path, load_draft_layout
+    from ..learn import LearnController, LearnOptions, target_identity
+    if args.learn_min_tokens < 1 or args.learn_max_bytes < 1:
+        raise SystemExit("--learn-min-tokens and --learn-max-bytes must be >= 1")
+    served = (default_draft_path(args.model) if args.draft == "default" else
+              None if args.draft in (None, "", "none", "suffix") else Path(args.draft))
+    extra = (["--model", args.model] if args.model else []) + (
+        ["--replay", args.learn_replay] if args.learn_replay else [])
+    opts = LearnOptions(Path(args.learn), args.learn_min_tokens, args.learn_max_bytes, tuple(extra))
+    config = run_config_from_args(args)
+    try:
+        return LearnController(opts, target_identity(args.model, engine.target.config), served,
+                               lambda path: load_draft_layout(path, engine.target, config, args.algorithm))
+    except Eagle3Error as e:
+        log.error("--learn %s: %s. Serving without learning", args.learn, e)
+        return None
 
 
 def missing_modules(names: Sequence[str]) -> list[str]:

@@ -19,6 +19,9 @@
 | eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
 | eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
 | eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
+| eagle3:learn_draft_version, eagle3:learn_swaps, eagle3:learn_rollbacks | gauge | `--learn`: the served draft version (DIR/drafts/vN), swaps and rollbacks since start |
+| eagle3:learn_captured_tokens | gauge | `--learn`: tokens in the captured traffic shards written |
+| eagle3:learn_learner_state{state} | gauge | `--learn`: 1 for the learner's state (idle, running, paused, failed) |
 
 The spec_decode counters take every decode step the engine ran, cancelled requests included, like
 the acceptance monitor behind /health, so the two always agree.
@@ -92,6 +95,17 @@ class ServerMetrics:
         self.waiting.set_function(waiting)
         self.running.set_function(running)
         self.degraded.set_function(lambda: float(degraded()))
+
+    def watch_learn(self, snapshot: Callable[[], dict]) -> None:
+        """Learning gauges (`--learn`), read from the controller's snapshot at scrape time."""
+        r = self.registry
+        for key, doc in (("draft_version", "Served draft version (DIR/drafts/vN)"),
+                         ("swaps", "Draft swaps since start"), ("rollbacks", "Draft rollbacks since start"),
+                         ("captured_tokens", "Tokens in the captured traffic written")):
+            Gauge(f"eagle3:learn_{key}", doc, registry=r).set_function(lambda k=key: float(snapshot()[k]))
+        state = Gauge("eagle3:learn_learner_state", "1 for the learner's state", ["state"], registry=r)
+        for name in ("idle", "running", "paused", "failed"):
+            state.labels(state=name).set_function(lambda n=name: float(snapshot()["learner_state"] == n))
 
     def observe_steps(self, decode_steps: Sequence[Step]) -> None:
         """Speculation counters from decode steps (prefill excluded), finished or cancelled."""

@@ -72,6 +72,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False                           # vLLM extension
     return_token_ids: bool = False                     # vLLM extension: the choice carries the ids
     user: Optional[str] = None                         # opaque client tag, never interpreted
+    learn: bool = True                                 # false: a learning server (--learn) does not capture it
     # accepted only with their neutral value (see NEUTRAL)
     n: Optional[int] = None
     presence_penalty: Optional[float] = None

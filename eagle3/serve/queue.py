@@ -42,6 +42,7 @@ class Job:
     out: asyncio.Queue = field(default_factory=asyncio.Queue)   # Chunk | Exception | END
     cancelled: threading.Event = field(default_factory=threading.Event)
     admitted: float = 0.0           # when the scheduler took it (engine thread)
+    learn: bool = True              # may a learning server capture it (the request's "learn")
 
     def push(self, item: Union[Chunk, Exception, object]) -> None:
         """Thread-safe hand-over to the event loop (dropped if the loop has already closed)."""
@@ -101,6 +102,11 @@ class EngineWorker:
         self._wake = threading.Condition()
         self._stopping = False
         self._reset_prefixes = False                # guarded by _wake: empty them before a step
+        self._tasks: deque[Callable[[], None]] = deque()   # guarded by _wake: run between steps
+        # learning (eagle3.learn): each job that ran to its end, with its request; and the engine
+        # turning busy (True) or idle (False). Both called in the engine thread.
+        self.on_finished: Optional[Callable[[Job, Request], None]] = None
+        self.on_busy: Optional[Callable[[bool], None]] = None
         self._thread: Optional[threading.Thread] = None
         self.outbox = Outbox()                      # engine thread only: a step's deliveries
 
@@ -153,6 +159,13 @@ class EngineWorker:
             self._wake.notify()
         return True
 
+    def run_between_steps(self, task: Callable[[], None]) -> None:
+        """Run `task` on the engine thread before its next step (or at once when idle): a draft
+        swap happens there, never inside a step."""
+        with self._wake:
+            self._tasks.append(task)
+            self._wake.notify()
+
     def retry_after_s(self) -> int:
         # max_batch jobs run at once: the queue drains max_batch times faster than one at a time
         batch = self.scheduler.max_batch
@@ -178,7 +191,9 @@ class EngineWorker:
         """Wait for work; admit pending jobs into free slots. False once stopping."""
         with self._wake:
             while (not self._stopping and not self.pending and not self.scheduler.has_work
-                   and not self._reset_prefixes):
+                   and not self._reset_prefixes and not self._tasks):
+                if self.on_busy is not None:
+                    self.on_busy(False)
                 self._wake.wait()
             if self._stopping:
                 return False
@@ -187,6 +202,14 @@ class EngineWorker:
                 self._reset_prefixes = False
             admitted = [self.pending.popleft()
                         for _ in range(min(len(self.pending), self.scheduler.free_slots))]
+            tasks, self._tasks = list(self._tasks), deque()
+        for task in tasks:
+            try:
+                task()
+            except Exception:
+                log.exception("a between-steps task failed")
+        if self.on_busy is not None and (admitted or self.scheduler.has_work):
+            self.on_busy(True)
         for job in admitted:
             self._admit(job)
         return True
@@ -228,6 +251,11 @@ class EngineWorker:
     def _finish(self, request: Request) -> None:
         job = self.jobs.pop(request)
         self.mean_job_s = 0.8 * self.mean_job_s + 0.2 * (time.perf_counter() - job.admitted)
+        if self.on_finished is not None and request.output.finish in ("stop", "length"):
+            try:
+                self.on_finished(job, request)
+            except Exception:
+                log.exception("finished-job hook failed")
         if self.after_job is not None:
             try:
                 self.after_job()
