@@ -183,7 +183,7 @@ def test_a_learner_killed_mid_step_resumes_its_round(learn_dir, one_thread):
 
     def killed_at_step_three():
         calls["n"] += 1
-        if calls["n"] == 8:            # 5 feature parts, then training steps
+        if calls["n"] == 9:            # the start, 5 feature parts, then training steps
             raise SystemExit("killed")
     with pytest.raises(SystemExit):
         learn_round(tiny_learn_config(root, margin=-1.0), target, killed_at_step_three)
@@ -214,3 +214,35 @@ def test_a_candidate_with_nan_weights_is_rejected_and_v0_keeps_serving(learn_dir
     assert card["status"] == "rejected" and "non-finite" in card["gate"]["reason"]
     assert versions.current(root) == 0
     assert len([r for r in caplog.records if "rejected" in r.getMessage()]) == 1
+
+
+class ByteTokenizer:
+    """Characters as ids 4..95 (the tiny target's vocabulary), a one-line chat template."""
+    eos_token_id = 3
+
+    def encode(self, text, add_special_tokens=False):
+        return [4 + ord(c) % 92 for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True):
+        return [1] + [t for m in messages for t in self.encode(m["role"] + ":" + m["content"])] + [2]
+
+
+def test_train_from_an_openai_log_runs_a_round_and_exports(tmp_path, monkeypatch, one_thread):
+    import eagle3.learn.process as process
+    from eagle3.train.tiny import tiny_target
+    target = tiny_target()
+    monkeypatch.setattr(process, "load_reference", lambda model: (target, ByteTokenizer()))
+    log = tmp_path / "vllm.jsonl"
+    with open(log, "w") as f:
+        for i in range(12):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"sort list {i} please"}],
+                                "response": "def f(x):\n    return sorted(x)\n" * 2}) + "\n")
+    out = tmp_path / "learn"
+    argv = ["--from-traffic", str(log), "--out", str(out), "--draft", "none", "--epochs", "2",
+            "--margin", "-1", "--heldout-fraction", "0.25", "--autocast", "none"]
+    assert process.from_traffic_main(argv) == 0
+    assert versions.current(out) == 1 and versions.card(out, 0)["source"] is None
+    assert (out / "drafts" / "v1" / "config.json").is_file()
+    assert (out / "drafts" / "v1-speculators" / "config.json").is_file()
+    recs = [r for p in traffic_shards(out) for r in read_shard(p).records]
+    assert len(recs) == 12 and recs[0]["response_ids"][-1] == 3        # the reply ends with eos

@@ -166,3 +166,23 @@ def test_a_directory_of_another_target_serves_without_learning(tmp_path, caplog)
         assert learn_controller(args, engine) is None
     assert len(caplog.records) == 1 and "another target" in caplog.records[0].getMessage()
     assert (tmp_path / "learn.json").is_file() and json.loads((tmp_path / "learn.json").read_text())["target"] == IDENTITY
+
+
+def test_a_target_without_a_draft_gets_its_first_one_between_requests(pair, one_thread):
+    from eagle3.learn.controller import attach_first_draft
+    from eagle3.runtime.costs import CostTable
+    from eagle3.speculative.policy import AdaptivePolicy
+    target, a, _ = pair
+    costs = CostTable((1, 2, 4, 8, 16), (10.0, 10.1, 10.2, 10.4, 10.8), (0.01,) * 5)
+    suffix_only = lambda greedy: AdaptivePolicy((), costs, suffix_only_tokens=8, correct_costs=False)  # noqa: E731
+    engine = Engine(target, tokenizer(), max_model_len=CTX, policy=suffix_only)
+    params = SamplingParams(temperature=0.0, max_new_tokens=16)
+    ids = engine.encode("a code request")
+    before = engine.generate(prompt_ids=ids, params=params)
+    assert engine.draft is None and not any(s.arm.startswith("tree") for s in before.decode_steps)
+    shapes = (SpecParams(2, 3, 6, 0.0),)
+    why = attach_first_draft(engine, a, lambda greedy: AdaptivePolicy(shapes, costs, correct_costs=False))
+    assert why is None and engine.draft is a
+    after = engine.generate(prompt_ids=ids, params=params)
+    assert after.token_ids == before.token_ids
+    assert any(s.arm.startswith("tree") for s in after.decode_steps)     # the draft's trees now run

@@ -199,10 +199,13 @@ class LearnController:
             return
         old, done = self.version, threading.Event()
         old_tau = self.live_tau(self.base)
+        first = None                 # a first draft's policy (its costs measured here, not in a step)
+        if self.engine is not None and self.engine.draft is None and layout is not None and self.first_policy:
+            first = self.first_policy(layout)
 
         def swap() -> None:
             try:
-                self._swap(layout, version)
+                self._swap(layout, version, first)
             finally:
                 done.set()
         self.run_in_engine(swap)
@@ -214,12 +217,12 @@ class LearnController:
         log.info("learn: serving v%d (was v%d)%s", version, old,
                  f"; its live tau is compared with v{old}'s {old_tau:.3f}" if self.watch else "")
 
-    def _swap(self, layout, version: int) -> None:
+    def _swap(self, layout, version: int, first_policy=None) -> None:
         if self.engine is None:
             return
         if self.engine.draft is None and layout is not None:
-            why = (attach_first_draft(self.engine, layout, self.first_policy(layout))
-                   if self.first_policy else "the server gave no policy for a first draft")
+            why = (attach_first_draft(self.engine, layout, first_policy) if first_policy
+                   else "the server gave no policy for a first draft")
             if why:
                 log.error("learn: v%d not served: %s", version, why)
                 return

@@ -164,6 +164,7 @@ def build_features(target, files: list[Path], key: PartKey, store_root: Path, ma
 def learn_round(cfg: LearnConfig, target, between: Optional[Callable[[], None]] = None) -> dict:
     """Run (or finish) one round; returns the new version's card."""
     root, between = cfg.dir, between or (lambda: None)
+    between()                  # planned once the server is idle: the round takes all traffic so far
     t0 = time.time()
     plan = plan_round(root, cfg)
     rdir = root / "learner" / f"round-{plan['round']}"

@@ -99,9 +99,13 @@ def prepare_dir(args: argparse.Namespace, target, tokenizer) -> Path:
             raise InputError(f"--from-traffic {src}: neither a learn directory nor a JSONL file")
         from .traffic import openai_records
         recs = openai_records(src, tokenizer)
-        tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in recs)
         (root / "traffic").mkdir(parents=True, exist_ok=True)
-        write_atomic(root / "traffic" / f"t-000001-n{tokens}.jsonl", "".join(json.dumps(r) + "\n" for r in recs))
+        per = max(1, min(16, len(recs) // 8))       # shards as the capture writes them (a tail to hold out)
+        for k in range(0, len(recs), per):
+            part = recs[k:k + per]
+            tokens = sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in part)
+            write_atomic(root / "traffic" / f"t-{k // per + 1:06d}-n{tokens}.jsonl",
+                         "".join(json.dumps(r) + "\n" for r in part))
     check_identity(root, target_identity(args.model, target.config))
     versions.ensure_v0(root, starting_draft(args.draft, args.model))
     return root
