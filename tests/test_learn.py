@@ -246,3 +246,19 @@ def test_train_from_an_openai_log_runs_a_round_and_exports(tmp_path, monkeypatch
     assert (out / "drafts" / "v1-speculators" / "config.json").is_file()
     recs = [r for p in traffic_shards(out) for r in read_shard(p).records]
     assert len(recs) == 12 and recs[0]["response_ids"][-1] == 3        # the reply ends with eos
+
+
+def test_the_learner_waits_while_the_server_is_busy(tmp_path):
+    import threading
+    import time
+    from eagle3.learn.learner import pause_path, wait_while_paused
+    hook = wait_while_paused(tmp_path, poll_s=0.01)
+    hook()                                             # no pause file: returns at once
+    pause_path(tmp_path).parent.mkdir(parents=True)
+    pause_path(tmp_path).touch()
+    done = threading.Event()
+    threading.Thread(target=lambda: (hook(), done.set()), daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set()
+    pause_path(tmp_path).unlink()
+    assert done.wait(2)

@@ -59,6 +59,11 @@ def test_served_requests_are_captured_unless_they_opt_out(pair, tmp_path, one_th
     target, a, _ = pair
     learn = controller(tmp_path)
     app = create_app(engine_with(target, a), model_name="tiny", learn=learn)
+    pause = tmp_path / "learner" / "pause"
+    seen = []
+    busy = learn.set_busy
+    learn.set_busy = lambda b: (busy(b), seen.append((b, pause.exists())))
+    app.state.server.worker.on_busy = learn.set_busy
     with TestClient(app) as client:
         first = chat(client, "one")
         chat(client, "two", learn=False)
@@ -66,6 +71,7 @@ def test_served_requests_are_captured_unless_they_opt_out(pair, tmp_path, one_th
         metrics = client.get("/metrics").text
     recs = [r for p in traffic_shards(tmp_path) for r in read_shard(p).records]
     assert len(recs) == 2 and recs[0]["response_ids"] == first
+    assert (True, True) in seen and not pause.exists()     # paused while busy, not after
     assert [r["temperature"] for r in recs] == [0.0, 1.0]
     assert "eagle3:learn_draft_version 0.0" in metrics
     assert 'eagle3:learn_learner_state{state="idle"} 1.0' in metrics
