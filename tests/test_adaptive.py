@@ -12,6 +12,7 @@ import torch
 
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.costs import CostTable
+from eagle3.speculative import decoder as decoder_module
 from eagle3.speculative.decoder import SUFFIX_MAX_FACTOR, SpecDecoder
 from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.tree import SpecParams
@@ -137,6 +138,40 @@ def test_a_request_decoded_plainly_runs_no_draft_forward(target, reference, monk
     assert calls == [] and dec.draft_cache.length == 0
     emitted += dec.step().tokens
     assert calls[0] == len(PROMPT) + 4 and emitted == reference[:len(emitted)]
+
+
+def test_a_long_stretch_restarts_the_draft_from_its_latest_rows(target, reference, monkeypatch):
+    """More rows waiting than CATCH_UP_WINDOW (the prompt and a plain stretch): the draft restarts
+    from the latest window alone, at their true positions, so the way back costs one bounded
+    forward; greedy output stays plain decoding's. The draft cache then holds the window's rows as
+    one pass over those tokens alone writes them."""
+    monkeypatch.setattr(decoder_module, "CATCH_UP_WINDOW", 6)
+    draft = oracle_draft(target, PROMPT + reference)
+    policy = Scripted((PLAIN,) * 10 + (SHAPES[2],) * 3)
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    steps = [dec.prefill(PROMPT, MAX_NEW)]
+    for _ in range(11):
+        steps.append(dec.step())
+        waiting = sum(ids.numel() for ids, _ in dec.pending)
+        assert dec.draft_offset + dec.draft_cache.length + waiting == dec.cache.length
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == reference[:len(emitted)]
+    assert policy.catch_ups[0][0] == 6 and dec.draft_offset == len(PROMPT) + 10 - 6
+    # the window's rows as one pass over its tokens alone at their positions writes them
+    off, seq = dec.draft_offset, PROMPT + emitted
+    full_cache = target.new_cache(128)
+    out = target(torch.tensor([seq[:off + 6]]), torch.arange(off + 6), full_cache,
+                 capture_ids=draft.config.aux_layer_ids)
+    alone = draft.new_cache(128)
+    with torch.inference_mode():
+        draft(torch.tensor([seq[off + 1:off + 7]]), torch.arange(off, off + 6), alone,
+              features=out.aux[:, off:off + 6])
+    assert torch.allclose(dec.draft_cache.k[..., :6, :], alone.k[..., :6, :], atol=1e-4)
+    while sum(len(s.tokens) for s in steps) < 30:
+        steps.append(dec.step())
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == reference[:len(emitted)]
 
 
 SUFFIX_SCRIPTS = [(SUFFIX_ONLY,), (SUFFIX_ONLY, SHAPES[1]), (PLAIN, SUFFIX_ONLY, SUFFIX_ONLY, SHAPES[2])]

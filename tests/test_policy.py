@@ -11,7 +11,7 @@ import pytest
 
 from eagle3.runtime.costs import QUIET_SHARE, CostTable, machine_costs
 from eagle3.errors import InputError
-from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
+from eagle3.speculative.policy import CATCH_UP_PRIOR_ROWS, PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.step import Step
 from eagle3.speculative.tree import SpecParams
 
@@ -218,12 +218,17 @@ def test_a_probe_that_loses_much_waits_until_its_loss_is_a_small_share():
     # the tree accepts nothing: 1 token in 13 + 5 x 1.1 = 18.5 ms against plain's 10 ms a token
     lossy = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0.02)
     seen = probes(lossy, accepted=0)
-    assert lossy.probe_loss_ms(TREE, PLAIN) == pytest.approx(8.5)
-    assert lossy.quiet_steps(TREE, PLAIN) == int(8.5 / (0.02 * 10.0))          # 42 steps
+    # ... and before it, the draft's catch-up over the rows plain steps left (the table's, before
+    # any was seen; CATCH_UP_PRIOR_ROWS rows: 64, extrapolated to 4.8 ms)
+    assert lossy.catch_up_ms == pytest.approx(TABLE.draft(CATCH_UP_PRIOR_ROWS)) == pytest.approx(4.8)
+    assert lossy.probe_loss_ms(TREE, PLAIN) == pytest.approx(8.5 + 4.8)
+    assert lossy.quiet_steps(TREE, PLAIN) == int(13.3 / (0.02 * 10.0))         # 66 steps
     gaps = [b - a for a, b in zip(seen, seen[1:])]
-    assert seen[:2] == [0, 3] and all(g >= 42 for g in gaps[1:]), seen
-    # the whole loss stays near probe_share of the time: 8.5 ms a probe over >= 42 plain steps
-    assert len(seen) <= 2 + 400 // 42
+    assert seen[:2] == [0, 3] and all(g >= 66 for g in gaps[1:]), seen
+    # the whole loss stays near probe_share of the time: 13.3 ms a probe over >= 66 plain steps
+    assert len(seen) <= 2 + 400 // 66
+    lossy.observe_catch_up(rows=40, ms=2.0)          # a measured catch-up replaces the prior
+    assert lossy.probe_loss_ms(TREE, PLAIN) == pytest.approx(8.5 + 2.0)
     doubling = probes(AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0), 0)
     assert len(doubling) > 2 * len(seen)
     # the tree leads (2 tokens in 18.5 ms); a probe of plain loses 10 - 18.5 / 2 = 0.75 ms, which

@@ -346,7 +346,8 @@ class BatchScheduler(Scheduler):
             if self.draft is not None and decoder.draft is self.draft and req.chain is None:
                 req.chain = ChainState()          # its draft keeps the context it had alone
                 req.chain.index.extend(req.prompt_ids + req.out_ids)
-                req.chain.draft = self.drafts.resume(decoder.draft_cache, decoder.pending, decoder.head)
+                req.chain.draft = self.drafts.resume(decoder.draft_cache, decoder.pending, decoder.head,
+                                                     decoder.draft_offset)
         req.solo.close()
         req.solo = None
 

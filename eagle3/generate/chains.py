@@ -197,11 +197,11 @@ class DraftPool:
         return DraftChain(self, self.cache.allocate(), offset)
 
     def resume(self, cache, pending: Sequence[tuple[torch.Tensor, torch.Tensor]],
-               head: Optional[tuple[torch.Tensor, torch.Tensor]]) -> DraftChain:
-        """The draft state a request leaves the solo engine with (SpecDecoder's draft cache, its
-        waiting (next ids, features) rows and head), as a chain from token 0: the draft keeps
-        its context when the request joins a batch."""
-        chain = self.open(0)
+               head: Optional[tuple[torch.Tensor, torch.Tensor]], offset: int = 0) -> DraftChain:
+        """The draft state a request leaves the solo engine with (SpecDecoder's draft cache from
+        token `offset` on, its waiting (next ids, features) rows and head): the draft keeps its
+        context when the request joins a batch."""
+        chain = self.open(offset)
         n = cache.length
         self.cache.write(chain.slot, cache.k[:, 0, :, :n], cache.v[:, 0, :, :n])
         chain.waiting = [f.clone() for _, f in pending]

@@ -30,7 +30,9 @@ Cache bookkeeping (n = target cache length at the start of a step):
     target cache   tokens 0..n-1; the root (last emitted token, position n) is not cached yet
     draft cache    n rows: row i pairs the target feature of token i with the id of token i+1,
                    at position i; the last row's logits/hidden are `self.head` (they propose
-                   the tree's first level)
+                   the tree's first level). After a restart (`_catch_up`, CATCH_UP_WINDOW) row i
+                   is token draft_offset + i's, at its true position, and the draft cache holds
+                   n - draft_offset rows; below, "n" is the draft's length + draft_offset
     tree forward   level-d tokens (d = 1..depth-1) go through the draft at position n+d-1, hidden =
                    the draft output of their parent's row; rows n.. hold them and are dropped
     verify         the T tree nodes at positions n + depth, KV written at n..n+T-1, then the
@@ -75,6 +77,13 @@ SUFFIX_GROWTH = 2
 SUFFIX_MAX_FACTOR = 4
 # ... that at a match of 8+ tokens. A shorter match is a guess, not a copy under way: its block has a
 # fixed size by the match's class (policy.SHORT_MATCH_NODES).
+# The draft's way back after rows it did not run (a prompt, plain or suffix-only steps): over at most
+# this many of the latest, from an empty draft cache. Rotary attention depends on positions only
+# through their differences, so the restarted rows at draft positions 0.. see each other as they
+# would at their true positions; the draft loses the context before them, and the return costs
+# one forward of at most this many rows instead of one over the whole stretch (at T=1 a return
+# after a 400-token stretch cost ~8 plain steps). Lossless either way: the draft only proposes.
+CATCH_UP_WINDOW = 64
 
 
 class Shadow:
@@ -135,6 +144,7 @@ class SpecDecoder:
         self.gen = params.generator(self.device)
         self.eyes = {s.top_k: torch.eye(s.top_k, dtype=torch.bool, device=self.device) for s in self.shapes}
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # plain steps' (next id, feature)
+        self.draft_offset = 0          # tokens before the draft cache's row 0 (a restart drops them)
         self.levels = 0                                              # draft forwards this step
         self.caught_up: Optional[tuple[int, float]] = None           # this step's catch-up: rows, ms
         self.root = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -163,6 +173,7 @@ class SpecDecoder:
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
         self.pending, self.suffix_last, self.shadow = [], None, None
+        self.draft_offset = 0
         for cache in self.caches:
             cache.reset()
             cache.check_room(n + max_new_tokens + self.slack - 1)
@@ -301,7 +312,7 @@ class SpecDecoder:
         acc, features = self._verify(tree, start)
         t2 = time.perf_counter()
         self.root = self._ids(acc.tokens[-1:])
-        self._extend(self._ids(acc.tokens), features, start)
+        self._extend(self._ids(acc.tokens), features, self.draft_cache.length)
         if self.suffix is not None:
             self.suffix.extend(acc.tokens)
         t3 = time.perf_counter()
@@ -337,13 +348,19 @@ class SpecDecoder:
 
     def _catch_up(self) -> None:
         """The draft over the rows plain steps left waiting (one forward), so it proposes again;
-        its rows and time in `caught_up`, and not one of the step's levels."""
+        its rows and time in `caught_up`, and not one of the step's levels. More than
+        CATCH_UP_WINDOW rows waiting (a prompt, a plain stretch): the draft restarts from the last
+        CATCH_UP_WINDOW of them alone (`restart`), so the way back costs a bounded forward."""
         if self.pending:
             t0 = time.perf_counter()
             ids = torch.cat([i for i, _ in self.pending])
             feats = torch.cat([f for _, f in self.pending])
             self.pending = []
-            self._extend(ids, feats, self.draft_cache.length)
+            start = self.draft_cache.length
+            if ids.numel() > CATCH_UP_WINDOW:        # restart: rows of the latest tokens alone
+                self.draft_offset += start + ids.numel() - CATCH_UP_WINDOW
+                ids, feats, start = ids[-CATCH_UP_WINDOW:], feats[-CATCH_UP_WINDOW:], 0
+            self._extend(ids, feats, start)
             self.levels -= 1
             self.caught_up = (ids.numel(), 1e3 * (time.perf_counter() - t0))
 
@@ -358,14 +375,14 @@ class SpecDecoder:
         for depth in range(1, spec.depth):
             if self._settled(levels, frontier):
                 break
-            out = self._draft_level(frontier, hidden, ancestors, position=n + depth - 1)
+            out = self._draft_level(frontier, hidden, ancestors, position=self.draft_offset + n + depth - 1)
             offset = sum(lv.scores.numel() for lv in levels)
             frontier, level = expand(frontier, out.logits[0], spec.top_k, offset)
             levels.append(level)
             hidden = out.hidden[0, frontier.rows]
             ancestors = torch.cat([ancestors, eye], dim=1)[frontier.rows]
         self.draft_cache.truncate(n)
-        return self._layout(concat_levels(levels), n)
+        return self._layout(concat_levels(levels), self.cache.length)   # the target's prefix
 
     def _settled(self, levels: list[Level], frontier: Frontier) -> bool:
         """True when no deeper candidate can enter the tree, so drafting can stop with the same tree.
@@ -422,7 +439,7 @@ class SpecDecoder:
         self.draft_cache.truncate(start)
         self.levels += 1
         m = next_ids.numel()
-        positions = torch.arange(start, start + m, device=self.device)
+        positions = torch.arange(start, start + m, device=self.device) + self.draft_offset
         out = self.draft(next_ids[None], positions, self.draft_cache, features=features[None],
                          logits_rows=slice(-1, None))
         self.head = DraftHead(out.logits[0, -1], out.hidden[0, -1])

@@ -115,6 +115,10 @@ def match_class(match: int) -> int:
     """The class of a suffix match `match` tokens long: 0 below SUFFIX_MATCH_CLASSES[0], ..."""
     return sum(match >= c for c in SUFFIX_MATCH_CLASSES)
 
+SPEC_MARGIN = 0.03        # a speculative arm is taken over plain decoding only when its predicted
+                          # tokens per ms beat plain's by this share: within noise of plain, a
+                          # drafting step's variance and catch-ups cost more than the gain
+CATCH_UP_PRIOR_ROWS = 64  # the draft's catch-up predicted before any was seen (decoder.CATCH_UP_WINDOW)
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
@@ -194,6 +198,9 @@ class AdaptivePolicy:
         self.suffix_classes = [self.stats[SUFFIX_ONLY]] + [ArmStats(self.memory) for _ in SUFFIX_MATCH_CLASSES]
         self.overhead = Rolling(self.memory)
         self.catch_ups = Counter()             # returns to drafting: count, rows, ms (not any arm's)
+        self.catch_up = Rolling(self.memory)   # ... and the ms of one (a shape's probe pays it)
+        self.spent = Counter()                 # ms by kind: plain, suffix, tree, chain, probe, catch-up
+        self.probing = False                   # the step chosen last is a first try or a probe
         self.interval = self.probe_every       # steps from the last probe to the next one
         self.next_probe = self.probe_every - 1
         self.leader: Optional[Arm] = None      # the best of the shapes and plain at the last choice
@@ -235,6 +242,7 @@ class AdaptivePolicy:
         arms = self.arms(suffix_ready)
         tries = {a: self.stats[a].steps + self.stats[a].shadows for a in arms if a != PLAIN}
         untried = [a for a, n in tries.items() if n < self.probe_steps]
+        self.probing = True
         if untried:
             return untried[0]
         arm, left = self.run
@@ -242,8 +250,8 @@ class AdaptivePolicy:
             self.run = (arm, left - 1)
             return arm
         self.run = (None, 0)
-        best = max(arms, key=self.rate)
-        self._follow(max(self.arms(), key=self.rate))
+        best = max(arms, key=self.goodput)
+        self._follow(max(self.arms(), key=self.goodput))
         others = [a for a in arms if a != best]
         if self.probe_due and others:
             probe = min(others, key=lambda a: self.stats[a].last_step)
@@ -251,7 +259,15 @@ class AdaptivePolicy:
             self.next_probe = self.steps + max(self.interval, self.quiet_steps(probe, best))
             self.run = (probe, self.probe_steps - 1)
             return probe
+        self.probing = False
         return best
+
+    def goodput(self, arm: Arm) -> float:
+        """What the choice compares: an arm's predicted tokens per ms, a speculative arm's less
+        SPEC_MARGIN where plain decoding may be chosen (so it is taken only where it beats plain
+        by that margin; the rolling averages keep one lucky step from switching)."""
+        rate = self.rate(arm)
+        return rate if arm == PLAIN or not self.allow_plain else rate / (1.0 + SPEC_MARGIN)
 
     def quiet_steps(self, probe: Arm, best: Arm) -> int:
         """Steps of `best` over which a probe of `probe` loses at most probe_share of the time (at
@@ -267,7 +283,13 @@ class AdaptivePolicy:
         a shape's probe is left out: it runs over the rows since the last drafting step, so it
         grows with the interval and is the same share of the time whatever the interval."""
         per_step = self.cost_ms(probe) - self.tokens(probe) / self.rate(best)
-        return max(self.probe_steps * per_step, 0.0)
+        return max(self.probe_steps * per_step, 0.0) + (self.catch_up_ms if isinstance(probe, SpecParams) else 0.0)
+
+    @property
+    def catch_up_ms(self) -> float:
+        """Predicted ms of the draft's catch-up before a shape's step after plain or suffix-only
+        steps (its rolling average; before any, CATCH_UP_PRIOR_ROWS rows by the table)."""
+        return self.catch_up.value if self.catch_up.count else self.costs.draft(CATCH_UP_PRIOR_ROWS)
 
     def _suffix_class(self, match: int) -> None:
         """Read and update the suffix-only averages of the class of a `match` tokens long."""
@@ -331,6 +353,7 @@ class AdaptivePolicy:
             raise InputError(f"AdaptivePolicy.observe wall_ms must be > 0, got {wall_ms}; pass the "
                              f"step's measured wall time in ms")
         self.chosen[name_of(arm)] += 1
+        self.spent["probe" if self.probing else kind_of(arm)] += wall_ms
         self.steps += 1
         self.rates.pop(arm, None)
         s = self.stats[arm]
@@ -365,10 +388,13 @@ class AdaptivePolicy:
         waiting: the price of returning to drafting (the step's wall time and levels passed to
         `observe` exclude it), kept apart for the summary."""
         self.catch_ups.update(count=1, rows=rows, ms=ms)
+        self.catch_up.add(ms)
+        self.spent["catch-up"] += ms
 
     def summary(self) -> dict:
         """How the choices spread (arm name -> steps), each arm's averages and cost correction."""
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
+                "spent_ms": {k: round(v, 1) for k, v in self.spent.items()},
                 "catch_up": {k: round(v, 1) for k, v in self.catch_ups.items()},
                 "probe_every": self.interval,
                 "arms": {name_of(a): _averages(st, levels=True)
@@ -391,6 +417,13 @@ def suffix_class_labels() -> list[str]:
     """The match classes' names ("<4", "4-7", "8+")."""
     bounds = SUFFIX_MATCH_CLASSES
     return ([f"<{bounds[0]}"] + [f"{a}-{b - 1}" for a, b in zip(bounds, bounds[1:])] + [f"{bounds[-1]}+"])
+
+
+def kind_of(arm: Arm) -> str:
+    """An arm's kind in the time accounting: plain, suffix, tree or chain."""
+    if arm in (PLAIN, SUFFIX_ONLY):
+        return arm
+    return "chain" if arm.is_chain else "tree"
 
 
 def name_of(arm: Arm) -> str:
