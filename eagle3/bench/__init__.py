@@ -26,8 +26,8 @@ from ..cli_args import add_run_args, run_config_from_args
 from ..config import available_cores
 from ..errors import InputError
 from ..speculative.tree import SpecParams
-from .report import (acceptance_text, identities, identity_text, save_json, save_plots, summarize,
-                     table, to_jsonable, tree_vs_chain_text)
+from .report import (acceptance_text, identities, identity_text, policy_time_text, save_json, save_plots,
+                     summarize, table, to_jsonable, tree_vs_chain_text)
 from .runner import BenchConfig, build, machine_info, run
 from .roofline import Roofline, RowRoof, measure_rows
 from .stats import Record
@@ -240,6 +240,9 @@ def print_report(skipped, rows, records, ids, failed, roof) -> None:
     if text:
         print(text)
     text = tree_vs_chain_text(rows, records)
+    if text:
+        print(text)
+    text = policy_time_text(records)
     if text:
         print(text)
     if ids:

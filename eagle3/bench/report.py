@@ -128,6 +128,23 @@ def identity_text(ids: list[Identity]) -> str:
     return "\n".join(lines)
 
 
+SPENT_KINDS = ("plain", "suffix", "tree", "chain", "probe", "catch-up")
+
+
+def policy_time_text(records: list[Record]) -> str:
+    """The adaptive step's own accounting per system and temperature: the share of its decode time
+    in plain, suffix-only, tree and chain steps, probes (first tries included) and the draft's
+    catch-ups, so a loss against plain decoding shows where it was spent."""
+    lines = []
+    for key in sorted({(r.system, r.temperature) for r in records if "spent_ms" in r.extra}):
+        spent = {k: sum(r.extra.get("spent_ms", {}).get(k, 0.0) for r in records
+                        if (r.system, r.temperature) == key) for k in SPENT_KINDS}
+        total = sum(spent.values()) or 1.0
+        parts = " ".join(f"{k} {100 * v / total:.1f}%" for k, v in spent.items())
+        lines.append(f"  {key[0]:<20} T={key[1]:g}: {parts} of {total / 1e3:.1f} s")
+    return "policy time (decode steps):\n" + "\n".join(lines) if lines else ""
+
+
 def tree_vs_chain_text(rows: list[Row], records: list[Record]) -> str:
     """What the tree buys over the chain with the same draft: tau and per-prompt tokens/s ratio."""
     lines = []

@@ -102,10 +102,16 @@ class OursSystem:
         self.run(prompt, params)
 
     def run(self, prompt: BenchPrompt, params: GenParams) -> RunResult:
-        res = self.engine.generate(prompt_ids=list(prompt.ids), params=self.sampling(params),
+        sampling = self.sampling(params)
+        policy = self.engine.policy_for(sampling) if self.speculative else None
+        before = Counter(policy.spent) if policy is not None else None
+        res = self.engine.generate(prompt_ids=list(prompt.ids), params=sampling,
                                    speculative=self.speculative)
         sync(self.device)
-        return self.result(res)
+        out = self.result(res)
+        if policy is not None:           # the policy's time by kind over this run (bench: policy time)
+            out.extra["spent_ms"] = dict(Counter(policy.spent) - before)
+        return out
 
     def result(self, res: GenerationResult) -> RunResult:
         steps = res.steps
