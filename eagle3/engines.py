@@ -39,7 +39,9 @@ A running server (`LIVE`, read by `eagle3 doctor --server`):
 | SGLang 0.5.3 | /server_info (newer) or         | internal_states[].avg_spec_accept_length in that JSON (tokens per |
 |              | /get_server_info: server args   | verify since start, absent before the first); gauge  |
 |              | (speculative_*), "version"      | sglang:spec_accept_length with --enable-metrics      |
-| eagle3 serve | /health {"speculative", "spec"} | /metrics counters eagle3:spec_decode_*, position 1-based |
+| eagle3 serve | /health {"speculative", "spec"} | /metrics counters eagle3:spec_decode_*, position 1-based; |
+|              | {"draft"}: its own acceptance   | the draft's own steps apart from suffix-only blocks:  |
+|              |                                 | eagle3:spec_decode_draft_steps, _draft_accepted_tokens|
 
 Sources: vllm-project/vllm vllm/v1/spec_decode/metrics.py (SpecDecodingProm); sgl-project/sglang
 srt/entrypoints/http_server.py (get_server_info), srt/managers/scheduler.py (get_internal_state),
@@ -280,6 +282,9 @@ class LiveFacts:
     accept_length_key: Optional[str] = None  # list.key in the info JSON: tokens per verify since start
     accept_length_gauge: Optional[str] = None  # gauge: tokens per verify over a recent interval
     metrics_flag: str = ""                   # what turns /metrics on, where it is optional
+    draft_steps: Optional[str] = None        # counter: steps verifying the draft's own proposals
+    draft_accepted: Optional[str] = None     # counter: accepted tokens the draft itself proposed
+    argmax_draft: bool = False               # the draft proposes by argmax for sampled requests too
 
 
 LIVE_VLLM = LiveFacts(
@@ -287,7 +292,8 @@ LIVE_VLLM = LiveFacts(
     version_key="version", drafts="vllm:spec_decode_num_drafts",
     draft_tokens="vllm:spec_decode_num_draft_tokens",
     accepted="vllm:spec_decode_num_accepted_tokens",
-    per_position="vllm:spec_decode_num_accepted_tokens_per_pos", first_position=0)
+    per_position="vllm:spec_decode_num_accepted_tokens_per_pos", first_position=0,
+    argmax_draft=True)
 LIVE_SGLANG = LiveFacts(
     "sglang", "SGLang", detect=(("/server_info", "internal_states"),
                                 ("/get_server_info", "internal_states")),
@@ -301,6 +307,7 @@ LIVE_EAGLE3 = LiveFacts(
     settings=("speculative", "spec"), drafts="eagle3:spec_decode_num_drafts",
     draft_tokens="eagle3:spec_decode_num_draft_tokens",
     accepted="eagle3:spec_decode_num_accepted_tokens",
-    per_position="eagle3:spec_decode_num_accepted_tokens_per_pos", first_position=1)
+    per_position="eagle3:spec_decode_num_accepted_tokens_per_pos", first_position=1,
+    draft_steps="eagle3:spec_decode_draft_steps", draft_accepted="eagle3:spec_decode_draft_accepted_tokens")
 # tried in this order: SGLang and vLLM answer /health with an empty body, only eagle3 with JSON
 LIVE: dict[str, LiveFacts] = {f.name: f for f in (LIVE_EAGLE3, LIVE_SGLANG, LIVE_VLLM)}

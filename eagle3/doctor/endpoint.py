@@ -291,6 +291,8 @@ class Counters:
     per_position: dict[int, float] = field(default_factory=dict)
     accept_length: Optional[float] = None        # a ratio engine's mean tokens per verify (since start)
     accept_length_recent: Optional[float] = None  # its recent-interval gauge
+    draft_steps: Optional[float] = None          # steps verifying the draft's own proposals
+    draft_accepted: Optional[float] = None       # accepted tokens the draft itself proposed
 
     @property
     def exported(self) -> bool:
@@ -309,7 +311,8 @@ def read_counters(ep: Endpoint, info: ServerInfo) -> Counters:
     gauge = mean(samples, facts.accept_length_gauge)
     return Counters(total(samples, facts.drafts), total(samples, facts.draft_tokens),
                     total(samples, facts.accepted),
-                    by_position(samples, facts.per_position, facts.first_position), length, gauge)
+                    by_position(samples, facts.per_position, facts.first_position), length, gauge,
+                    total(samples, facts.draft_steps), total(samples, facts.draft_accepted))
 
 
 def mean_field(info: dict, key: str) -> Optional[float]:

@@ -13,6 +13,10 @@ before and after each phase, and gives a verdict:
 | server.speculation | speculation is off (no counters, no draft) or configured but never ran     |
 | server.tau         | greedy tau <= fail_tau: (almost) nothing accepted; names the likely causes |
 | server.offline     | with --draft/--target: far below what our own probe gets on the same pair  |
+| server.draft       | the draft's own steps (eagle3 serve: apart from suffix-only blocks, since  |
+|                    | start) accept (almost) nothing: weights lost or random                     |
+| server.sampled_    | warns: sampled requests accept far less than greedy on an engine whose     |
+| acceptance         | draft proposes by argmax (slower, not broken)                              |
 
 tau and acceptance per position mean what speculative/step.py says (tokens per verify step; share
 of steps accepting >= k draft tokens). SGLang exports only its mean accept length since start (no
@@ -34,9 +38,14 @@ LIVE_CAUSES = (
     "--speculative-algorithm EAGLE, vLLM \"method\": \"eagle\"), aux hidden-state capture off (the "
     "draft gets one hidden state instead of its fused layers), layer ids off by one ('input to layer "
     "i' vs 'output of layer i': vLLM reads a lone SpecForge eagle_config list one layer early), the "
-    "draft vocabulary map (d2t) missing so draft ids are read as target ids, or a draft trained for "
-    "another target. Check the pair and the launch line: eagle3 doctor --target T --draft D "
-    "--launch 'LINE'")
+    "draft vocabulary map (d2t) missing so draft ids are read as target ids, draft weights lost "
+    "(an RL weight update or a memory release that did not restore them) or never trained, or a "
+    "draft trained for another target. Check the pair and the launch line: eagle3 doctor --target T "
+    "--draft D --launch 'LINE'")
+DRAFT_LOST = (
+    "the draft's weights are lost or random: an RL weight update or a memory release that did not "
+    "restore the draft, a draft never trained or not loaded. Reload the draft's trained weights and "
+    "check the pair offline: eagle3 doctor --target T --draft D")
 OFFLINE_CAUSES = (
     "the engine runs the draft differently from how it was trained: layer ids read in the other "
     "numbering (a SpecForge eagle_config list taken raw by vLLM runs one layer early), the wrong "
@@ -74,6 +83,7 @@ class ServerSettings:
     fail_tau: float = 1.1         # tau <= this: (almost) nothing is accepted
     warn_tau: float = 1.3
     offline_share: float = 0.6    # live accepted tokens per step below this share of offline's: fail
+    min_draft_steps: int = 4      # the draft's own steps needed to judge it
     phases: tuple[Phase, ...] = PHASES
 
 
@@ -273,6 +283,46 @@ def sampled_check(results: list[PhaseResult]) -> list[Check]:
     return out
 
 
+def draft_check(info: ServerInfo, counters: Counters, s: ServerSettings) -> list[Check]:
+    """The draft's own acceptance since the server started, apart from suffix-only blocks: an
+    adaptive server stops asking a useless draft, so its overall tau alone looks healthy."""
+    if counters.draft_steps is None:
+        return []
+    name = (info.info.get("draft") or {}).get("name") if isinstance(info.info.get("draft"), dict) \
+        else None
+    who = f"the draft {name}" if name else "the draft"
+    steps, accepted = counters.draft_steps, counters.draft_accepted or 0.0
+    if steps < s.min_draft_steps:
+        return [warned("server.draft", f"{who} verified its own proposals in {steps:g} steps since "
+                       "the server started: too few to judge it", "send more greedy requests, then "
+                       "run the doctor again")]
+    tau = 1 + accepted / steps
+    what = (f"{who}: tau {tau:.2f} over {steps:g} steps of its own proposals since the server started "
+            f"({accepted:g} accepted tokens; suffix-only blocks excluded)")
+    if tau <= s.fail_tau:
+        return [Check("server.draft", "fail", f"{what}: the draft is (almost) never accepted", DRAFT_LOST,
+                      field="draft tau", found=round(tau, 2), expected=f"> {s.fail_tau}")]
+    return [passed("server.draft", what)]
+
+
+def argmax_check(info: ServerInfo, greedy: LiveStats, sampled: list[PhaseResult]) -> list[Check]:
+    """Slower, not broken: an engine whose draft proposes by argmax loses most of its acceptance on
+    sampled requests."""
+    if info.engine is None or not info.engine.argmax_draft or greedy.tau is None or not sampled:
+        return []
+    stats = merged(sampled)
+    if stats.tau is None or stats.since_start or greedy.tau - 1 < 0.2:
+        return []
+    what = f"sampled tau {stats.tau:.2f} vs greedy {greedy.tau:.2f}"
+    if stats.tau - 1 < 0.5 * (greedy.tau - 1):
+        return [Check("server.sampled_acceptance", "warn", f"{what}: {info.label} drafts by argmax, so "
+                      "sampled requests accept far less (slower, not broken)",
+                      "expect less from speculation at temperature > 0; lower num_speculative_tokens "
+                      "for sampled traffic, or measure it with and without speculation",
+                      field="sampled tau", found=round(stats.tau, 2), expected=f"near {greedy.tau:.2f}")]
+    return [passed("server.sampled_acceptance", what)]
+
+
 # ---------------------------------------------------------------------------- offline comparison
 def server_tree(info: ServerInfo, counters: Counters) -> Optional[tuple[int, int, int]]:
     """(top_k, depth, num_draft_tokens) the server drafts with, where it says."""
@@ -377,6 +427,11 @@ def measure(ep: Endpoint, model: Optional[str], s: ServerSettings, report: Docto
     report.checks.append(spec)
     measured = Measured(results, server_tree(info, first), spec.status != "fail")
     if measured.speculating:
-        report.checks.append(tau_check(info, [r for r in results if r.phase.greedy], s))
+        greedy = [r for r in results if r.phase.greedy]
+        report.checks.append(tau_check(info, greedy, s))
+        report.checks += draft_check(info, counters, s)
         report.checks += sampled_check([r for r in results if not r.phase.greedy])
+        if greedy:
+            report.checks += argmax_check(info, merged(greedy),
+                                          [r for r in results if not r.phase.greedy])
     return measured

@@ -3,7 +3,7 @@
 | route | auth | what |
 |---|---|---|
 | GET  /                    | no  | chat page (static/index.html): streaming, drafts lit, live tau |
-| GET  /health              | no  | {"status": "ok" or "degraded", "speculative", "spec" (the tree), ...} (from the acceptance monitor) |
+| GET  /health              | no  | {"status": "ok" or "degraded", "speculative", "spec" (the tree), "draft" (its own acceptance), ...} (the acceptance monitor; degraded also when the draft's own acceptance collapses) |
 | GET  /metrics             | no  | Prometheus text (see metrics.py) |
 | GET  /v1/models           | yes | the one served model |
 | POST /v1/chat/completions | yes | chat; `stream` = SSE ending in `data: [DONE]` |
@@ -41,6 +41,7 @@ from ..errors import Eagle3Error, InputError
 from ..generate import encode_prompt
 from ..generate.batch import PREFILL_CHUNK, PREFIX_CACHE_TOKENS, BatchScheduler
 from ..generate.serial import SerialScheduler
+from ..speculative.monitor import DRAFT_COLLAPSED_MESSAGE, DraftWatch
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
                        requested_max_tokens, sampling_params)
@@ -139,7 +140,8 @@ class Server:
         # included, like the acceptance monitor behind /health: the two always agree
         self.max_batch, self.mode = batch_mode(engine, max_batch)
         log.info("%s", self.mode)
-        on_step = lambda step: self.metrics.observe_steps([step])     # noqa: E731
+        self.draft_watch = DraftWatch()             # the draft's own acceptance (engine thread)
+        on_step = lambda step: self.observe_step(step)     # noqa: E731
         if self.max_batch > 1:
             scheduler = BatchScheduler.from_engine(engine, self.max_batch,
                                                    prefix_cache_tokens=prefix_cache_tokens)
@@ -186,16 +188,37 @@ class Server:
         monitor = self.engine.monitor
         if monitor is None:
             return
-        was = self.degraded
+        was = self.monitor_degraded
         self.acceptance = monitor.snapshot()
-        if self.degraded and not was:
+        if self.monitor_degraded and not was:
             log.warning("%s /health reports degraded until acceptance returns.", DEGRADED_HINT)
-        elif was and not self.degraded:
+        elif was and not self.monitor_degraded:
             log.info("speculation recovered: window tau %.2f", self.acceptance["window_tau"])
+
+    def observe_step(self, step) -> None:
+        """Engine thread, every decode step: the counters and the draft's own acceptance."""
+        self.metrics.observe_steps([step])
+        was = self.draft_watch.collapsed
+        self.draft_watch.observe(step)
+        if self.draft_watch.collapsed and not was:
+            w = self.draft_watch
+            log.warning(DRAFT_COLLAPSED_MESSAGE.format(accepted=w.accepted, steps=w.steps, tau=w.tau))
+
+    @property
+    def monitor_degraded(self) -> bool:
+        return bool(self.acceptance is not None and self.acceptance["degraded"])
 
     @property
     def degraded(self) -> bool:
-        return bool(self.acceptance is not None and self.acceptance["degraded"])
+        """The acceptance monitor's degraded, or the draft's own acceptance collapsed."""
+        return self.monitor_degraded or self.draft_watch.collapsed
+
+    def draft_health(self) -> Optional[dict]:
+        """/health's "draft": the draft's own acceptance, apart from suffix-only blocks."""
+        name = getattr(self.engine, "draft_name", None)
+        if getattr(self.engine, "draft", None) is None and name is None and not self.draft_watch.steps:
+            return None
+        return {"name": name, **self.draft_watch.snapshot()}
 
     def health(self) -> dict:
         body = {"status": "degraded" if self.degraded else "ok", "model": self.model_name,
@@ -208,8 +231,11 @@ class Server:
                             "num_draft_tokens": spec.num_draft_tokens}
         if self.acceptance is not None:
             body["acceptance"] = self.acceptance
+        if self.draft_health() is not None:
+            body["draft"] = self.draft_health()
         if self.degraded:
-            body["reason"] = DEGRADED_HINT
+            body["reason"] = DEGRADED_HINT if self.monitor_degraded else DRAFT_COLLAPSED_MESSAGE.format(
+                accepted=self.draft_watch.accepted, steps=self.draft_watch.steps, tau=self.draft_watch.tau)
         return body
 
     # ------------------------------------------------------------------ request intake

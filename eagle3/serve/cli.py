@@ -85,6 +85,8 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     except Eagle3Error as e:
         log.error("%s", e)
         return 2
+    if engine.draft is not None:        # /health names the draft whose own acceptance it reports
+        engine.draft_name = draft_label(args.draft, args.model)
     import uvicorn
 
     from .app import create_app
@@ -98,6 +100,12 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
+
+
+def draft_label(draft: Optional[str], model: Optional[str]) -> str:
+    """The draft's path as /health names it (`default`: the shipped draft's)."""
+    from ..api import default_draft_path
+    return str(default_draft_path(model) if draft == "default" else draft)
 
 
 def learn_controller(args: argparse.Namespace, engine):

@@ -18,7 +18,9 @@
 | eagle3:spec_decode_steps_total{arm} | counter | decode steps by adaptive choice (policy.name_of) |
 | eagle3:spec_decode_num_accepted_tokens_per_pos_total{position=k} | counter | steps accepting >= k |
 | eagle3:spec_decode_acceptance_length | histogram | tokens per decode step (accepted + 1; mean = tau) |
-| eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded |
+| eagle3:spec_decode_degraded | gauge | 1 while the engine's acceptance monitor reports degraded, or the draft's own acceptance has collapsed |
+| eagle3:spec_decode_draft_steps_total | counter | decode steps that verified the draft's own proposals (not suffix-only blocks) |
+| eagle3:spec_decode_draft_accepted_tokens_total | counter | draft tokens the draft itself proposed and the target accepted |
 | eagle3:learn_draft_version, eagle3:learn_swaps, eagle3:learn_rollbacks | gauge | `--learn`: the served draft version (DIR/drafts/vN), swaps and rollbacks since start |
 | eagle3:learn_captured_tokens | gauge | `--learn`: tokens in the captured traffic shards written |
 | eagle3:learn_learner_state{state} | gauge | `--learn`: 1 for the learner's state (idle, running, paused, failed) |
@@ -33,6 +35,7 @@ from typing import Callable, Sequence
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ..speculative.monitor import is_draft_step
 from ..speculative.step import Step
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
@@ -84,6 +87,10 @@ class ServerMetrics:
         self.accept_len = Histogram("eagle3:spec_decode_acceptance_length",
                                     "Tokens per decode step (accepted draft tokens + 1)",
                                     buckets=buckets, registry=r)
+        self.draft_steps = Counter("eagle3:spec_decode_draft_steps",
+                                   "Decode steps that verified the draft's own proposals", registry=r)
+        self.draft_accepted = Counter("eagle3:spec_decode_draft_accepted_tokens",
+                                      "Accepted tokens the draft itself proposed", registry=r)
         self.degraded = Gauge("eagle3:spec_decode_degraded",
                               "1 while the rolling acceptance length sits at 1.0", registry=r)
         for k in range(1, self.max_depth + 1):          # export zeros before the first request
@@ -118,6 +125,9 @@ class ServerMetrics:
             self.draft_tokens.inc(s.proposed)
             self.accepted_tokens.inc(s.accepted)
             self.accepted_suffix.inc(s.accepted_suffix)
+            if is_draft_step(s):
+                self.draft_steps.inc()
+                self.draft_accepted.inc(s.accepted - s.accepted_suffix)
             self.accept_len.observe(s.accepted + 1)
             for k in range(1, s.accepted + 1):  # acceptance_stats' per-position rule, as counters
                 self.accepted_per_pos.labels(position=str(k)).inc()

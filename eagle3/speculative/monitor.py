@@ -82,3 +82,51 @@ class AcceptanceMonitor:
             "accept_len_histogram": {k: self.accept_hist[k] for k in sorted(self.accept_hist)},
             "acceptance_per_position": self.acceptance_per_position(),
         }
+
+
+DRAFT_COLLAPSED_MESSAGE = (
+    "THE DRAFT IS NOT ACCEPTED: its own proposals accepted {accepted} tokens over {steps} verify steps "
+    "(tau {tau:.2f}). Suffix-only blocks and plain steps keep the server at plain speed, so nothing "
+    "else shows it. Usual causes: draft weights lost or never trained (an RL weight update or memory "
+    "release that did not restore them, a random draft), a d2t rebuilt after training, or a draft "
+    "paired with the wrong target.")
+
+
+def is_draft_step(step: Step) -> bool:
+    """A step whose verified block holds the draft's own proposals: not a suffix-only block (arm
+    "suffix", from the solo policy or a suffix chain in the batch) and not a plain step."""
+    return step.proposed > 0 and step.arm not in ("suffix", "plain")
+
+
+class DraftWatch:
+    """The draft's own acceptance, apart from suffix-only blocks and plain steps: the adaptive
+    policy stops asking a useless draft, so the overall rolling tau stays healthy (suffix blocks
+    accept) while the draft itself accepts nothing. `collapsed` while the draft's latest own steps
+    (at least `min_steps`, at most `window`) accepted less than `floor` tokens each on average;
+    `steps` and `accepted` count since start."""
+
+    def __init__(self, min_steps: int = 4, floor: float = 0.1, window: int = 32):
+        self.min_steps, self.floor = min_steps, floor
+        self.recent: deque[int] = deque(maxlen=window)   # the draft's own accepted tokens per step
+        self.steps = 0
+        self.accepted = 0
+
+    def observe(self, step: Step) -> None:
+        if is_draft_step(step):
+            own = step.accepted - step.accepted_suffix
+            self.steps += 1
+            self.accepted += own
+            self.recent.append(own)
+
+    @property
+    def tau(self) -> float:
+        """1 + the draft's own accepted tokens per draft step (0.0 before any)."""
+        return 1.0 + self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def collapsed(self) -> bool:
+        return len(self.recent) >= self.min_steps and sum(self.recent) < self.floor * len(self.recent)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"steps": self.steps, "accepted_tokens": self.accepted, "tau": self.tau,
+                "collapsed": self.collapsed}
