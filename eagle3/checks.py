@@ -29,6 +29,7 @@ class Check:
     field: Optional[str] = None     # a compared field: its name, the value found and the value expected
     found: Any = None
     expected: Any = None
+    catalog: Optional[str] = None   # the silent-failure row it reports (doctor/catalog.py), if set
 
     def __post_init__(self):
         object.__setattr__(self, "status", Status(self.status))

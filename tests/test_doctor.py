@@ -125,7 +125,7 @@ def vllm(target_dir, draft_dir, method="eagle3") -> str:
     spec = {"method": method, "model": str(draft_dir), "num_speculative_tokens": 3}
     if method is None:
         spec.pop("method")
-    return f"vllm serve {target_dir} --speculative-config '{json.dumps(spec)}' --max-model-len 4096"
+    return f"vllm serve {target_dir} --speculative-config '{json.dumps(spec)}' --max-model-len 128"
 
 
 def convert(target_dir, draft_dir) -> str:

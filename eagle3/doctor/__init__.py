@@ -2,8 +2,10 @@
 
     eagle3 doctor [--target T] [--draft D] [--launch "LINE"]... [--engine-version vllm=X] [--json] [--no-probe]
     eagle3 doctor --server URL [--api-key K] [--model NAME] [--target T --draft D] [--json]
+    eagle3 doctor --list-checks
 
-Prints a table of checks (pass / warn / fail, each failure with its fix) and exits 1 on a failure.
+Prints a table of checks (pass / warn / fail, each failure with its fix) and exits 1 on a failure
+(with --strict also on a warning). The silent failures it knows: doctor/catalog.py.
 With --server it checks a running SGLang, vLLM or eagle3 server's acceptance (doctor/server.py).
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Optional
 from .. import settings
 from ..engines import ENGINES, version_tuple
 from ..errors import InputError, LoadError
+from .catalog import CATALOG, listing
 from .checks import ProbeSettings, run_doctor
 from .launch import DraftFacts, TargetFacts, lint_launch
 from .report import Check, DoctorReport
@@ -35,7 +38,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "3.1 norms run from vLLM 0.22)")
     p.add_argument("--algorithm", type=str.lower, choices=["eagle3", "eagle"],
                    help="the algorithm you intend to run the draft with (checked against the draft)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON (for CI)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON (for CI); each "
+                   "finding carries its silent-failure catalog id")
+    p.add_argument("--strict", action="store_true", help="exit 1 on warnings too (slower, not broken)")
+    p.add_argument("--list-checks", action="store_true", help="print the catalog of silent failures "
+                   "the doctor knows (docs/silent-failures.md) and exit")
     p.add_argument("--no-probe", action="store_true", help="skip the live speculative probe")
     p.add_argument("--max-new-tokens", type=int, default=ProbeSettings.max_new_tokens)
     p.add_argument("--top-k", type=int, default=ProbeSettings.top_k)
@@ -84,6 +91,9 @@ def engine_versions(items: list[str]) -> dict[str, str]:
 
 def doctor_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.list_checks:
+        print(listing(), end="")
+        return 0
     settings = ProbeSettings(max_new_tokens=args.max_new_tokens, top_k=args.top_k,
                              depth=args.depth, num_draft_tokens=args.num_draft_tokens)
     if args.server:
@@ -98,8 +108,12 @@ def doctor_main(argv: list[str]) -> int:
     else:
         report = run_doctor(args.target, draft, args.launch, probe=not args.no_probe,
                             algorithm=args.algorithm, settings=settings, versions=versions)
+    return finish(report, args)
+
+
+def finish(report: DoctorReport, args: argparse.Namespace) -> int:
     print(report.to_json() if args.json else report.table())
-    return report.exit_code
+    return report.strict_exit_code() if args.strict else report.exit_code
 
 
 def server_main(args: argparse.Namespace) -> int:
@@ -109,11 +123,10 @@ def server_main(args: argparse.Namespace) -> int:
     report = run_server_doctor(args.server, args.api_key, args.model, args.target,
                                resolve_draft(args.draft, args.target) if offline else None,
                                offline=offline, settings=settings)
-    print(report.to_json() if args.json else report.table())
-    return report.exit_code
+    return finish(report, args)
 
 
-__all__ = ["Check", "DoctorReport", "DraftFacts", "ProbeSettings", "ServerSettings", "TargetFacts",
+__all__ = ["CATALOG", "Check", "DoctorReport", "DraftFacts", "ProbeSettings", "ServerSettings", "TargetFacts",
            "doctor_main", "lint_launch", "run_doctor", "run_server_doctor"]
 
 

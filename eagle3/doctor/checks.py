@@ -25,6 +25,7 @@ import torch
 from ..engines import NESTED_OUTPUT, TOP_INPUT
 from ..errors import ContractError, Eagle3Error
 from .launch import DraftFacts, TargetFacts, lint_launch, read_json
+from . import silent
 from .report import Check, DoctorReport, failed, from_error, passed, warned
 
 PROBE_PROMPTS = (
@@ -33,8 +34,9 @@ PROBE_PROMPTS = (
     "List three tips for staying focused while studying.",
 )
 CAUSES = ("likely causes: wrong aux layer ids (the 'input to layer i' vs 'output of layer i' "
-          "off-by-one), the wrong algorithm (an EAGLE-3 draft run as EAGLE), a draft trained for "
-          "another target or tokenizer, or an untrained draft")
+          "off-by-one), the wrong algorithm (an EAGLE-3 draft run as EAGLE), a d2t rebuilt or "
+          "reordered after training, a draft trained for another target or tokenizer, or draft "
+          "weights lost or never trained (random)")
 
 
 @dataclass(frozen=True)
@@ -112,7 +114,8 @@ def load_draft_checked(pair: Pair, draft_path: Optional[str], algorithm: Optiona
         report.checks.append(from_error("draft.algorithm" if e.field == "algorithm" else "draft.load", e))
         return
     except Eagle3Error as e:
-        report.checks.append(failed("draft.load", str(e), "see the message; `eagle3 export` "
+        report.checks.append(silent.check_missing_d2t(pair.draft_config) if "d2t" in str(e) else
+                             failed("draft.load", str(e), "see the message; `eagle3 export` "
                                     "writes drafts every engine reads"))
         return
     pair.draft, pair.info = loaded.draft, loaded.info
@@ -157,8 +160,10 @@ def contract_checks(pair: Pair) -> list[Check]:
     """draft/contract.py's checks, named under contract.*."""
     from ..draft.contract import run_checks
     checks = run_checks(pair.target.config, pair.draft, target=pair.target, info=pair.info)
-    return [replace(c, name=f"contract.{c.name.replace(' ', '_')}") for c in checks
-            if c.name != "embedding" or pair.info.embedding_attached]   # else reported by attach()
+    out = [replace(c, name=f"contract.{c.name.replace(' ', '_')}") for c in checks
+           if c.name != "embedding" or pair.info.embedding_attached]   # else reported by attach()
+    return out + silent.check_d2t_rows(pair.draft, pair.target) + \
+        silent.check_pair_template(pair.draft_config, pair.tokenizer)
 
 
 # ---------------------------------------------------------------------------- launch
@@ -254,8 +259,10 @@ def probe_checks(pair: Pair, settings: ProbeSettings, report: DoctorReport) -> N
             f"tokens); acceptance per position [{acc}]; {result.spec_tokens_per_s:.1f} tok/s vs "
             f"{result.plain_tokens_per_s:.1f} plain")
     if result.tau <= settings.fail_tau:
-        report.checks.append(failed("probe.tau", f"{what}: the draft is (almost) never accepted",
-                                    shift_hint(pair, settings, result.tau) or CAUSES))
+        hint = shift_hint(pair, settings, result.tau)
+        report.checks.append(replace(failed("probe.tau", f"{what}: the draft is (almost) never "
+                                            "accepted", hint or CAUSES),
+                                     catalog="aux-layer-ids" if hint else None))
     elif result.tau < settings.warn_tau:
         report.checks.append(warned("probe.tau", f"{what}: low acceptance", CAUSES))
     else:
@@ -298,6 +305,42 @@ def shifted_draft(draft: Any, ids: tuple[int, ...]) -> Any:
     return other.to(draft.fc.weight.device).eval()
 
 
+# ---------------------------------------------------------------------------- quantized draft
+FP8_MAX = 448.0       # float8_e4m3fn's largest finite value
+
+
+def fp8_draft(draft: Any) -> Any:
+    """A copy of the draft whose matrices (fc, the layer, lm_head) are rounded through FP8 e4m3
+    with one scale per row, as an FP8 serving engine stores them; the shared embedding stays."""
+    from ..draft.model import build_draft
+    other = build_draft(draft.config)
+    other.load_state_dict(draft.state_dict())
+    with torch.no_grad():
+        for name, p in other.named_parameters():
+            if p.dim() == 2 and "embed_tokens" not in name:
+                scale = p.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+                p.copy_((p / scale).to(torch.float8_e4m3fn).to(p.dtype) * scale)
+    other.set_embedding(draft.embed_tokens.weight)
+    return other.to(draft.fc.weight.device).eval()
+
+
+def quantized_probe(pair: Pair, settings: ProbeSettings, report: DoctorReport, method: str) -> None:
+    """The launch line serves the draft quantized: the probe again with the draft rounded to FP8,
+    against the unquantized draft's tau."""
+    base = report.probe["tau"]
+    quick = replace(settings, try_shifted_ids=False)
+    tau = run_probe(pair, fp8_draft(pair.draft), quick, plain=False).tau
+    report.probe["quantized"] = {"method": method, "tau": tau}
+    what = f"tau {tau:.2f} with the draft rounded to FP8 ({method} on the line) vs {base:.2f} unquantized"
+    if tau <= settings.fail_tau < base or (base - 1 > 0.2 and tau - 1 < 0.6 * (base - 1)):
+        report.checks.append(silent.field_check(
+            "probe.quantized", "fail", "draft tau quantized", round(tau, 2), f"about {base:.2f}",
+            f"{what}: quantizing the draft loses its acceptance",
+            "serve the draft unquantized (drop the draft quantization flag); quantize the target only"))
+    else:
+        report.checks.append(passed("probe.quantized", what))
+
+
 # ---------------------------------------------------------------------------- entry point
 def run_doctor(target: Any = None, draft: Optional[str | Path] = None,
                launch: Optional[str | Sequence[str]] = None, probe: bool = True,
@@ -321,6 +364,9 @@ def run_doctor(target: Any = None, draft: Optional[str | Path] = None,
     contract_ok = not any(c.name.startswith(("contract.", "draft.")) for c in report.failures)
     if probe and pair.draft is not None and pair.info.embedding_attached and contract_ok:
         probe_checks(pair, settings, report)
+        quantized = [c for c in report.checks if c.name.endswith(".draft_quantization")]
+        if quantized and report.probe:
+            quantized_probe(pair, settings, report, str(quantized[0].found))
     elif probe and pair.draft is not None:
         report.checks.append(warned("probe.tau", "probe skipped: the pair breaks the contract "
                                     "(see the failures above)", "fix those first"))

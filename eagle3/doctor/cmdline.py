@@ -5,11 +5,13 @@ engines.py's `method_option`, with the algorithm names):
 - SGLang `python -m sglang.launch_server` (sglang/srt/arg_groups spec namespace): --model-path
   (alias --model), --speculative-algorithm, --speculative-draft-model-path (alias
   --speculative-draft-model), --speculative-num-steps, --speculative-eagle-topk,
-  --speculative-num-draft-tokens, --speculative-token-map. argparse accepts unambiguous prefixes
+  --speculative-num-draft-tokens, --speculative-token-map, --speculative-draft-model-quantization,
+  --context-length, --chat-template. argparse accepts unambiguous prefixes
   (`--speculative-algo`), so we do too.
 - vLLM `vllm serve MODEL` / `python -m vllm.entrypoints.openai.api_server --model MODEL`:
   --speculative-config JSON (also `--speculative-config.KEY VALUE`), the older
-  --speculative-model / --num-speculative-tokens; `_` and `-` are interchangeable.
+  --speculative-model / --num-speculative-tokens / --speculative-disable-by-batch-size,
+  --max-model-len, --chat-template; `_` and `-` are interchangeable.
 - llama.cpp `llama-server` (common/arg.cpp in the llama-cpp-python 0.3.36 sdist): -m/--model,
   -md/--model-draft/--spec-draft-model, --spec-type, --spec-draft-n-max, --spec-draft-n-min;
   --draft/--draft-n/--draft-max/--draft-min were removed (the binary refuses them).
@@ -65,6 +67,9 @@ SGLANG = EngineSpec(
         "topk": ("--speculative-eagle-topk",),
         "num_draft_tokens": ("--speculative-num-draft-tokens",),
         "token_map": ("--speculative-token-map",),
+        "draft_quantization": ("--speculative-draft-model-quantization",),
+        "context_length": ("--context-length",),
+        "chat_template": ("--chat-template",),
     }),
     flags=frozenset({"--trust-remote-code", "--speculative-use-rejection-sampling",
                      "--enable-multi-layer-eagle", "--speculative-adaptive",
@@ -80,6 +85,9 @@ VLLM = EngineSpec(
         "speculative_config": ("--speculative-config",),
         "old_draft": ("--speculative-model",),
         "old_num_tokens": ("--num-speculative-tokens",),
+        "old_disable_by_batch_size": ("--speculative-disable-by-batch-size",),
+        "max_model_len": ("--max-model-len",),
+        "chat_template": ("--chat-template",),
     }),
     flags=frozenset({"--trust-remote-code", "--enforce-eager", "--enable-prefix-caching",
                      "--no-enable-prefix-caching", "--enable-chunked-prefill",

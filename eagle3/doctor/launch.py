@@ -26,6 +26,7 @@ from ..errors import LoadError
 from ..models.config import default_capture_ids
 from ..models.target import TargetFacts
 from ..speculative.tree import max_candidates, tree_shape_problem
+from . import silent
 from .cmdline import Command, parse_line
 from .report import Check, failed, passed, warned
 
@@ -264,6 +265,12 @@ def lint_sglang(cmd: Command, draft: Optional[DraftFacts], target: Optional[Targ
     out += check_norms("sglang", draft, config, version)
     out += check_vocab("sglang", draft, target)
     out += sglang_tree(o)
+    out += silent.check_token_map(o.get("token_map"), o.get("algorithm"))
+    out += silent.check_context("sglang", "--context-length", o.get("context_length"), o.get("model"),
+                                config)
+    out += silent.check_launch_template("sglang", o.get("chat_template"), config)
+    out += silent.check_quantization("sglang", "--speculative-draft-model-quantization",
+                                     o.get("draft_quantization"))
     return out
 
 
@@ -380,6 +387,8 @@ def vllm_spec(cmd: Command) -> tuple[dict[str, Any], list[Check]]:
                              "\"num_speculative_tokens\": N}'"))
     if o.get("old_num_tokens"):
         spec.setdefault("num_speculative_tokens", o["old_num_tokens"])
+    if o.get("old_disable_by_batch_size"):
+        spec.setdefault("disable_by_batch_size", o["old_disable_by_batch_size"])
     return spec, checks
 
 
@@ -418,6 +427,13 @@ def lint_vllm(cmd: Command, draft: Optional[DraftFacts], target: Optional[Target
     out += check_ids("vllm", draft, config, target, spec.get("model"))
     out += check_norms("vllm", draft, config, version)
     out += check_vocab("vllm", draft, target)
+    out += silent.check_disable_by_batch_size(spec, version)
+    out += silent.check_draft_max_model_len(spec, version)
+    out += silent.check_context("vllm", "--max-model-len", cmd.options.get("max_model_len"), model,
+                                config)
+    out += silent.check_launch_template("vllm", cmd.options.get("chat_template"), config)
+    out += silent.check_quantization("vllm", "\"quantization\" in --speculative-config",
+                                     spec.get("quantization"))
     return out
 
 
@@ -625,5 +641,9 @@ def lint_launch(line: str, draft: Optional[DraftFacts] = None, target: Optional[
         elif cmd.engine == "llama.cpp":
             out += lint_llama_server(cmd, draft, target, converted)
         else:
-            out += LINTERS[cmd.engine](cmd, draft, target, (versions or {}).get(cmd.engine))
+            version = (versions or {}).get(cmd.engine)
+            out += LINTERS[cmd.engine](cmd, draft, target, version)
+            if cmd.engine == "sglang":
+                out += silent.check_overlap(silent.line_env(line), cmd.options.get("algorithm"),
+                                            version)
     return out

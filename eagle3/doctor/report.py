@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..checks import Check, failed, from_error, passed, warned
+from .catalog import catalog_id
 
 __all__ = ["Check", "DoctorReport", "failed", "from_error", "passed", "warned"]
 
@@ -36,10 +37,14 @@ class DoctorReport:
     def exit_code(self) -> int:
         return 0 if self.ok else 1
 
+    def strict_exit_code(self) -> int:
+        """`--strict`: warnings (slower, not broken) fail too."""
+        return 0 if self.ok and not self.warnings else 1
+
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "failures": len(self.failures), "warnings": len(self.warnings),
-                "checks": [c.as_dict() for c in self.checks], "facts": self.facts,
-                "probe": self.probe}
+                "checks": [{**c.as_dict(), "catalog": catalog_id(c)} for c in self.checks],
+                "facts": self.facts, "probe": self.probe}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, default=str)
@@ -56,6 +61,9 @@ class DoctorReport:
             if c.fix and c.status != "pass":
                 for w in textwrap.wrap("fix: " + c.fix, msg_w):
                     lines.append(f"{'':<6}  {'':<{name_w}}  {w}")
+            if c.status != "pass" and catalog_id(c):
+                lines.append(f"{'':<6}  {'':<{name_w}}  known failure: {catalog_id(c)} "
+                             "(docs/silent-failures.md)")
         verdict = "FAIL" if self.failures else "OK"
         lines.append(f"\n{verdict}: {len(self.checks)} checks, {len(self.failures)} failed, "
                      f"{len(self.warnings)} warnings")

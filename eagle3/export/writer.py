@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from ..engines import LLAMA_CPP, SGLANG, VLLM, Engine, describe, engine_reading
 from ..errors import Eagle3Error, InputError, LoadError
 from ..models.config import ModelConfig
 from ..models.target import TargetFacts
+from ..draft import template
 from ..draft.contract import check_pair
 from ..draft.model import DraftBase
 from ..draft.formats import DraftInfo, inspect_draft, load_draft, read_hf_config, save_draft
@@ -233,9 +235,32 @@ def run_export(args: argparse.Namespace, target: ExportTarget) -> list[ExportRes
     if info.algorithm == "eagle" and args.format == "all":
         fmts = ["eagle"]
     out = Path(args.out)
-    return [export_draft(draft, out / f if len(fmts) > 1 else out, f, target.config,
-                         target_path=target.path, speculative_tokens=args.num_steps, dtype=dtype)
-            for f in fmts]
+    results = [export_draft(draft, out / f if len(fmts) > 1 else out, f, target.config,
+                            target_path=target.path, speculative_tokens=args.num_steps, dtype=dtype)
+               for f in fmts]
+    for r in results:
+        record_template(Path(args.draft), r.path, target.path)
+    return results
+
+
+def record_template(source: Path, out: Path, target_path: str) -> None:
+    """The chat template the draft was trained with, as a fingerprint in config.json and CARD.md:
+    the source draft's record, else its target's template (the one training applied)."""
+    if (source / "CARD.md").is_file() and not (out / "CARD.md").exists():
+        shutil.copyfile(source / "CARD.md", out / "CARD.md")
+    sha = template.recorded(read_json_dir(source))
+    where = f"recorded in {source}"
+    if sha is None:
+        sha, where = template.fingerprint(template.read_template(target_path)), f"target {target_path}"
+    if sha is not None:
+        template.record(out, sha, where)
+
+
+def read_json_dir(path: Path) -> Optional[dict]:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def report(results: list[ExportResult], args: argparse.Namespace, target: ExportTarget) -> str:
