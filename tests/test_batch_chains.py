@@ -2,6 +2,8 @@
 plain decoding samples (eagle3/generate/chains.py, BatchScheduler with chain_costs)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -9,6 +11,9 @@ from eagle3.generate import Engine, SamplingParams
 from eagle3.generate.batch import BatchScheduler
 from eagle3.generate.chains import ChainPlanner, ChainState, Option, check_chain, expected_tokens
 from eagle3.runtime.target import build_target
+from eagle3.runtime.costs import CostTable
+from eagle3.speculative.gate import BatchGate
+from eagle3.speculative.policy import AdaptivePolicy
 from eagle3.speculative.monitor import AcceptanceMonitor
 
 from spec_helpers import StubTokenizer, chi_square_p, tiny_target
@@ -65,6 +70,24 @@ def test_each_request_speculating_in_a_batch_equals_its_plain_output_alone(targe
     assert sum(s.accepted for s in steps) >= 5
     assert all(s.accepted_suffix == s.accepted and s.accepted <= s.proposed for s in steps)
     assert sched.cache.num_free == max_batch
+
+
+def test_a_request_that_asks_for_no_speculation_gets_no_guesses(target, alone, one_thread):
+    """"speculation": false (SamplingParams.speculative) in a batch that speculates: that request
+    proposes nothing, the same prompt beside it still does, and both outputs are plain decoding's."""
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX,
+                           prefill_chunk=8, chain_costs=CHEAP_ROWS)
+    params = PARAMS[2]
+    reqs = [sched.add(PROMPTS[2], params), sched.add(PROMPTS[2], replace(params, speculative=False))]
+    chunks = drain(sched)
+    want = alone.generate(prompt_ids=PROMPTS[2], params=params, speculative=False).token_ids
+    assert all([t for c in chunks[r.id] for t in c.token_ids] == want for r in reqs)
+    assert sum(s.proposed for s in reqs[0].output.steps) >= 5
+    assert sum(s.proposed for s in reqs[1].output.steps) == 0
+    engine = Engine(target, StubTokenizer(), max_model_len=CTX, policy=lambda greedy: AdaptivePolicy(
+        (), CostTable((1, 2), (1.0, 1.1), ()), suffix_only_tokens=4))
+    assert type(engine.make_decoder(replace(params, speculative=False))).__name__ == "PlainDecoder"
+    assert type(engine.make_decoder(params)).__name__ == "SpecDecoder"
 
 
 class OracleChain(ChainState):
@@ -226,6 +249,7 @@ def test_the_packaged_model_speculates_inside_the_batch():
     sched = BatchScheduler.from_engine(engine, max_batch=4)
     assert sched.chains is not None
     sched.chains.cost_ms = lambda rows: 3.6 + 0.5 * rows          # noqa: E731
+    sched.gate.margin = -1.0          # the planner's chains alone (the gate's judgement: test_gate.py)
     text = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
             "How vexingly quick daft zebras jump.")
     asks = [f"Repeat this text exactly, twice: {text}", f"Copy this sentence word for word: {text}",
@@ -587,3 +611,54 @@ def test_sampled_trees_draw_what_plain_sampling_draws():
             counts[got[1]] += 1
     assert counts.sum() > 300
     assert chi_square_p(counts, target_probs(logits[3], params)) > 1e-3
+
+
+class ScriptedGate(BatchGate):
+    """Speculation on and off by a script of batch steps (True: on), whatever the steps cost."""
+
+    def __init__(self, script):
+        super().__init__()
+        self.script, self.steps = script, 0
+
+    def _next(self) -> None:
+        self.steps += 1
+        self.on = self.script[self.steps % len(self.script)]
+
+    def observe(self, tokens, decoders, wall_ms, plain_ms) -> None:
+        self._next()
+
+    def observe_plain(self, wall_ms, forward_ms) -> None:
+        self._next()
+
+
+@pytest.mark.lossless
+def test_speculation_switched_off_and_on_in_the_batch_stays_lossless(one_thread):
+    """The gate turns speculation inside the batch off and on: off steps capture no features and
+    ask for no guesses; back on, each draft chain starts over from its next token and its oracled
+    request accepts draft tokens again. Every output is plain decoding's alone."""
+    from eagle3.runtime.costs import CostTable, LiveCosts
+    from spec_helpers import oracle_draft
+    model = tiny_target(seed=4)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
+             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    draft = oracle_draft(model, DRAFT_PROMPTS[0] + truth[0])
+    table = CostTable((1, 2, 4, 8), tuple(CHEAP_ROWS(r) for r in (1, 2, 4, 8)), (0.1,) * 4)
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
+                           chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT,
+                           live=LiveCosts(table))
+    sched.gate = ScriptedGate([True] * 4 + [False] * 5)
+    captured, real = [], target.forward_rows
+
+    def forward_rows(*args, **kw):
+        captured.append((sched.gate.on, "capture_ids" in kw))
+        return real(*args, **kw)
+    target.forward_rows = forward_rows
+    reqs = [sched.add(p, q) for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    chunks = drain(sched)
+    for req, want in zip(reqs, truth):
+        assert [t for c in chunks[req.id] for t in c.token_ids] == want
+    assert all(on == capture for on, capture in captured) and not all(on for on, _ in captured)
+    restarted = [s for s in reqs[0].output.steps[9:] if s.arm == "draft"]   # after an off stretch
+    assert sum(s.accepted for s in restarted) >= 3

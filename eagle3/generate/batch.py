@@ -50,7 +50,9 @@ import torch
 from ..errors import InputError
 from ..models.kv_cache import PrefixStore
 from ..sampling import SamplingParams, sample_each
+from ..runtime.costs import LiveCosts
 from ..speculative.decoder import check_draft
+from ..speculative.gate import BatchGate
 from ..speculative.step import Step
 from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, DraftPool, DraftSpend,
                      Guess, Option, check_tree, expected_tokens, ranked_nodes, worth_asking)
@@ -102,7 +104,7 @@ class BatchScheduler(Scheduler):
                  prefix_cache_tokens: int = PREFIX_CACHE_TOKENS,
                  chain_costs: Optional[Callable[[float], float]] = None, draft=None,
                  draft_costs: Optional[Callable[[float], float]] = None, chain_rows: int = 1 << 30,
-                 monitor=None):
+                 monitor=None, live: Optional[LiveCosts] = None):
         """target: an inference layout with forward_rows (runtime.target.InferenceTarget).
         solo: an Engine with a draft on this target, for a greedy request that runs alone.
         prefix_cache_tokens: the prefix cache's budget (models.kv_cache.PrefixStore; on a
@@ -117,7 +119,10 @@ class BatchScheduler(Scheduler):
         DraftPool: a slot of one draft cache per request, fed the target's features from the
         batch's forwards, every asked chain drafted together).
         monitor: the engine's AcceptanceMonitor (speculative.monitor): it sees every draft chain
-        the batch checks, as it sees the solo engine's steps (/health, /metrics)."""
+        the batch checks, as it sees the solo engine's steps (/health, /metrics).
+        live: the cost table chain_costs reads, fitted to the batch's forwards as they run
+        (runtime.costs.LiveCosts); with chains on, a BatchGate (speculative.gate) judges every
+        step against plain decoding's predicted time and turns speculation off where it loses."""
         if max_batch < 1 or prefill_chunk < 1:
             raise InputError(f"max_batch ({max_batch}) and prefill_chunk ({prefill_chunk}) must be "
                              ">= 1")
@@ -149,6 +154,9 @@ class BatchScheduler(Scheduler):
         self.draft_costs = draft_costs
         self.monitor = monitor
         self.capture_ids = tuple(draft.config.aux_layer_ids) if self.draft is not None else ()
+        self.live = live
+        self.gate = BatchGate() if self.chains is not None and live is not None else None
+        self.spec_was_on = True           # the last batch step speculated (draft chains are fed)
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
@@ -160,12 +168,14 @@ class BatchScheduler(Scheduler):
         costs = getattr(policy, "costs", None)
         drafts = (engine.draft is not None and engine.draft.config.algorithm == "eagle3"
                   and costs is not None and bool(costs.draft_ms))
+        live = LiveCosts(costs) if costs is not None else None
         return cls(engine.target, engine.tokenizer, engine.eos_ids, max_batch, engine.max_model_len,
                    prefill_chunk, solo=engine if engine.speculative else None,
                    prefix_cache_tokens=prefix_cache_tokens,
-                   chain_costs=costs.target if costs is not None else None,
+                   chain_costs=live.target if live is not None else None,
                    draft=engine.draft if drafts else None, draft_costs=costs.draft if drafts else None,
-                   chain_rows=max(costs.rows) if costs is not None else 1 << 30, monitor=engine.monitor)
+                   chain_rows=max(costs.rows) if costs is not None else 1 << 30, monitor=engine.monitor,
+                   live=live)
 
     def chain_mode(self) -> str:
         """What speculation inside the batch runs here, and why not where it does not."""
@@ -197,7 +207,12 @@ class BatchScheduler(Scheduler):
             self._end_solo(solo[0])               # company: it joins the batch from its last token
         elif solo or self._may_go_solo():
             return self._solo_step(self.running[0])
-        blocks, guesses = self._blocks()
+        t_step = time.perf_counter()
+        speculating = self.gate is None or self.gate.on
+        if speculating and not self.spec_was_on:
+            self._restart_drafts()
+        self.spec_was_on = speculating
+        blocks, guesses = self._blocks(speculating)
         trees = {i: guesses[req.id].ancestors() for i, (req, _, _) in enumerate(blocks)
                  if req.id in guesses and guesses[req.id].alternate}
         rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks], trees)
@@ -206,11 +221,12 @@ class BatchScheduler(Scheduler):
             first.append(len(picks))      # a decoding block: every row (its chain's); else the last
             picks.extend(range(blk.first_row if decodes else blk.first_row + blk.rows - 1,
                                blk.first_row + blk.rows))
+        context = sum(req.fed for req, _, _ in blocks) / len(blocks)
         t0 = time.perf_counter()
-        capture = {"capture_ids": self.capture_ids} if self.capture_ids else {}
+        capture = {"capture_ids": self.capture_ids} if self.capture_ids and speculating else {}
         out = self.target.forward_rows(torch.tensor([t for _, ids, _ in blocks for t in ids]),
                                        rows, self.cache, torch.tensor(picks), **capture)
-        logits, aux = out if self.capture_ids else (out, None)
+        logits, aux = out if capture else (out, None)
         step_s = time.perf_counter() - t0
         ready, emitted = [], []           # ready: the one-row blocks whose logits give a next token
         for i, (req, ids, decodes) in enumerate(blocks):
@@ -241,7 +257,31 @@ class BatchScheduler(Scheduler):
         emitted += [self._emit(req, Step([token], 0, verify_s=step_s)) for (_, req), token in zip(ready, tokens)]
         for req in [r for r in self.running if r.done]:
             self._retire(req)
+        self._judge(blocks, emitted, context, 1e3 * step_s, 1e3 * (time.perf_counter() - t_step))
         return emitted
+
+    def _judge(self, blocks, emitted: list[Emitted], context: float, forward_ms: float,
+               wall_ms: float) -> None:
+        """The step's forward to the live cost fit, and the step to the gate: a speculative one by
+        the tokens its decoding requests got against plain decoding's predicted time."""
+        if self.gate is None:
+            return
+        rows = sum(len(ids) for _, ids, _ in blocks)
+        self.live.observe(rows, forward_ms, context)
+        decoding = {req.id for req, _, decodes in blocks if decodes}
+        if not self.spec_was_on:
+            self.gate.observe_plain(wall_ms, forward_ms)
+            return
+        base = len(decoding) + sum(len(ids) for _, ids, decodes in blocks if not decodes)
+        got = sum(len(e.chunk.token_ids) for e in emitted if e.request.id in decoding)
+        self.gate.observe(got, len(decoding), wall_ms, self.gate.plain_ms(self.live.target(base, context)))
+
+    def _restart_drafts(self) -> None:
+        """Speculation back on after plain steps that captured no features: each request's draft
+        chain starts over from its next token (its acceptance kept)."""
+        for r in self.running:
+            if r.chain is not None and r.chain.draft is not None:
+                r.chain.draft.restart(r.fed)
 
     def _emit(self, req: BatchRequest, step: Step) -> Emitted:
         """The step's tokens through the request's Output; its suffix index takes what was emitted."""
@@ -277,6 +317,8 @@ class BatchScheduler(Scheduler):
         spend = DraftSpend(self.draft_costs) if self.draft is not None else None
         floor = self.chains.floor_rate(rows, len(decoders))
         for r in decoders:
+            if not r.params.speculative:      # the request asked for plain decoding
+                continue
             room = r.params.max_new_tokens - len(r.out_ids) - 1
             guess = r.chain.guess(room) if worth_asking(r.chain, floor) else []
             if guess:
@@ -318,7 +360,7 @@ class BatchScheduler(Scheduler):
         if self.solo is None or len(self.running) != 1 or self.waiting:
             return False
         req = self.running[0]
-        return req.params.greedy and req.fed == 0 and not req.out_ids
+        return req.params.greedy and req.params.speculative and req.fed == 0 and not req.out_ids
 
     def _solo_step(self, req: BatchRequest) -> list[Emitted]:
         """The prefill (first call) or one speculative step on the solo engine's caches."""
@@ -363,7 +405,8 @@ class BatchScheduler(Scheduler):
             req.slot = self.cache.allocate()
             self.running.append(req)
 
-    def _blocks(self) -> tuple[list[tuple[BatchRequest, list[int], bool]], dict[int, Guess]]:
+    def _blocks(self, speculating: bool = True) -> tuple[list[tuple[BatchRequest, list[int], bool]],
+                                                          dict[int, Guess]]:
         """Each running request's tokens this step, and whether the block decodes (its logits give
         the next token), and each guess by request id: decoders first (their last token, then a
         guess where one pays: a chain, or a tree of a chain and an alternate branch, root first),
@@ -387,7 +430,8 @@ class BatchScheduler(Scheduler):
                 ids = r.context(r.fed, budget)
                 prefill.append((r, ids, False))
                 budget -= len(ids)
-        guesses = self._chains(decoders, len(decoders) + sum(len(ids) for _, ids, _ in prefill))
+        guesses = (self._chains(decoders, len(decoders) + sum(len(ids) for _, ids, _ in prefill))
+                   if speculating else {})
         blocks = [(r, [r.out_ids[-1]] + (guesses[r.id].tokens if r.id in guesses else []), True)
                   for r in decoders] + prefill
         return blocks, guesses

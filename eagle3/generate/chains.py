@@ -171,6 +171,13 @@ class DraftChain(Rolling):
         alone through the pool."""
         return self.pool.guess([(self, k, tokens)])[0]
 
+    def restart(self, offset: int) -> None:
+        """Its draft starts over at token `offset` (the batch decoded plainly, capturing no
+        features, since it was last fed): an empty slot, nothing waiting; its acceptance kept."""
+        if self.slot is not None:
+            self.pool.cache.truncate(self.slot, 0)
+        self.offset, self.waiting, self.head = offset, [], None
+
     def close(self) -> None:
         """Its slot back to the pool (the request left the batch)."""
         if self.slot is not None:

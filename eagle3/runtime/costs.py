@@ -275,3 +275,74 @@ def measured_when_busy(table: CostTable, target, reps: int = 5) -> bool:
             samples += target_costs(target, (1,), reps=reps)
         now = sorted(samples)[len(samples) // 2]
     return watch.others <= QUIET_SHARE and table.target(1) > max(STALE_RATIO * now, now + STALE_MS)
+
+
+# ---------------------------------------------------------------------------- measured as they run
+CONTEXT_BUCKETS = (256, 512, 1024)    # mean cached tokens per row: up to each, then past the last
+LIVE_MEMORY = 0.95                    # the weight of the earlier forwards in the fit
+LIVE_MIN_FORWARDS = 4                 # a context bucket's own fit is used from this many forwards
+MARGINAL_BOUNDS = (0.5, 4.0)          # the extra rows' factor, as a share of the one-row factor
+ONE_ROW_BOUNDS = (0.25, 10.0)         # the one-row factor (a noisy fit never makes a forward free)
+
+
+class LiveCosts:
+    """A cost table corrected by the forwards as they run. The table is measured once, quietly, at
+    ~200 cached tokens; inside a batch of long requests, or with another process on the other core,
+    the forward costs more, and its extra rows more again (~1.5x the table's, measured inside
+    serving steps): a planner priced by the table takes rows that do not pay. So each forward's
+    measured ms y over `rows` is fitted as
+
+        y = a * table(1) + b * (table(rows) - table(1))
+
+    (a: the one-row forward's factor, b: the extra rows'), by least squares over the forwards with
+    weight LIVE_MEMORY on the past, one fit per context bucket (mean cached tokens per row) and one
+    over all. While the forwards seen have (nearly) one row count, b follows a. `target(rows,
+    context)` is the fitted ms: non-decreasing in rows, so a chain's rows never look free."""
+
+    def __init__(self, table: CostTable, memory: float = LIVE_MEMORY):
+        self.table, self.memory = table, memory
+        self.fits: dict[object, list[float]] = {}      # bucket -> [n, s00, s01, s11, s0y, s1y]
+
+    def _parts(self, rows: float) -> tuple[float, float]:
+        one = self.table.target(1)
+        return one, max(self.table.target(rows) - one, 0.0)
+
+    @staticmethod
+    def bucket(context: Optional[float]) -> Optional[int]:
+        if context is None:
+            return None
+        return next((i for i, x in enumerate(CONTEXT_BUCKETS) if context <= x), len(CONTEXT_BUCKETS))
+
+    def observe(self, rows: float, ms: float, context: Optional[float] = None) -> None:
+        """A forward over `rows` rows at `context` mean cached tokens took `ms`."""
+        if rows < 1 or ms <= 0:
+            return
+        x0, x1 = self._parts(rows)
+        for key in {"all", self.bucket(context)} - {None}:
+            f = self.fits.setdefault(key, [0.0] * 6)
+            m = self.memory
+            for i, v in enumerate((1.0, x0 * x0, x0 * x1, x1 * x1, x0 * ms, x1 * ms)):
+                f[i] = m * f[i] + v
+
+    def factors(self, context: Optional[float] = None) -> tuple[float, float]:
+        """(a, b) of the fit for `context` (1, 1 before any forward)."""
+        f = self.fits.get(self.bucket(context))
+        if f is None or f[0] < LIVE_MIN_FORWARDS * (1 - self.memory ** LIVE_MIN_FORWARDS) / (1 - self.memory) * 0.99:
+            f = self.fits.get("all")
+        if f is None:
+            return 1.0, 1.0
+        _, s00, s01, s11, s0y, s1y = f
+        det = s00 * s11 - s01 * s01
+        if s11 <= 0 or det <= 1e-6 * s00 * s11:        # one row count seen: one factor for both
+            a = (s0y + s1y) / (s00 + 2 * s01 + s11)
+            return a, a
+        a = min(max((s0y * s11 - s1y * s01) / det, ONE_ROW_BOUNDS[0]), ONE_ROW_BOUNDS[1])
+        b = (s1y * s00 - s0y * s01) / det
+        lo, hi = MARGINAL_BOUNDS
+        b = min(max(b, lo * a), hi * a)
+        return a, b
+
+    def target(self, rows: float, context: Optional[float] = None) -> float:
+        a, b = self.factors(context)
+        x0, x1 = self._parts(rows)
+        return a * x0 + b * x1

@@ -1,0 +1,111 @@
+"""Whether a batch speculates at all: goodput against plain decoding, measured from its own steps.
+
+Inside a batch each request may append a chain of guesses (generate.chains); the planner takes a
+chain where its cost model says it pays. What the model leaves out is paid in every step while
+speculation is on: the target's captured features for the draft, the draft's catch-ups, asking
+every request's suffix index, the planning itself. Under load these cost more than the chains
+win (MT-bench, 16 clients: 0.81-0.88x plain decoding). So the batch's steps are judged as they
+run, as vLLM and SGLang switch speculation off where it does not pay:
+
+    plain_ms(step)  = the forward of the step's rows without chains (runtime.costs.LiveCosts, fitted
+                      to the forwards as they run) + a plain step's measured time outside it
+    efficiency      = (tokens the decoding requests got / the step's wall ms)
+                      / (decoding requests / plain_ms(step))
+
+Speculation stays on while the rolling efficiency of its steps is at least 1 + margin (each step
+held within half to twice the average: one step stalled by another process moves it little).
+Below it, the batch decodes plainly (no features captured, no index asked, no planning) and tries
+again after `interval` steps: a probe of `probe_steps` speculative steps, judged by their median
+alone (the start is such a trial too).
+A probe that pays turns speculation on and resets the interval; one that does not doubles it, up
+to max_interval, so a workload where guesses never pay spends at most ~probe_steps / max_interval
+of its steps probing. Choosing never changes what is emitted: a chain's tokens are plain
+decoding's.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from ..errors import InputError
+
+GATE_MARGIN = 0.02        # speculation in the batch must beat plain decoding by this share
+GATE_MEMORY = 0.9         # the weight of earlier speculative steps in the rolling efficiency
+PROBE_STEPS = 8           # speculative steps a probe runs
+FIRST_INTERVAL = 32       # plain steps before the first probe after switching off
+MAX_INTERVAL = 1024       # ... doubling up to this many
+
+
+@dataclass
+class BatchGate:
+    margin: float = GATE_MARGIN
+    probe_steps: int = PROBE_STEPS
+    first_interval: int = FIRST_INTERVAL
+    max_interval: int = MAX_INTERVAL
+    on: bool = True                       # speculation inside the batch this step
+    interval: int = FIRST_INTERVAL        # plain steps before the next probe
+    efficiency: float = 1.0               # rolling, over speculative steps
+    window: list = field(default_factory=list)   # the current probe's (or start's) efficiencies
+    plain_over_ms: float = 0.0            # a plain step's time outside its forward (rolling)
+    plain_seen: int = 0
+    off_steps: int = 0                    # plain steps since speculation went off
+    counts: dict = field(default_factory=lambda: {"on": 0, "off": 0, "switches_off": 0, "probes": 0})
+
+    def __post_init__(self):
+        if self.probe_steps < 1 or self.first_interval < 1 or self.max_interval < self.first_interval:
+            raise InputError(f"BatchGate probe_steps ({self.probe_steps}) and first_interval "
+                             f"({self.first_interval}) must be >= 1 and max_interval "
+                             f"({self.max_interval}) >= first_interval")
+        self.interval = self.first_interval
+
+    @property
+    def probing(self) -> bool:
+        """Speculation is on for a trial (at the start, or a probe after a plain stretch)."""
+        return self.on and len(self.window) < self.probe_steps
+
+    def plain_ms(self, forward_ms: float) -> float:
+        """A plain step's predicted ms given its forward's predicted ms."""
+        return forward_ms + self.plain_over_ms
+
+    def observe_plain(self, wall_ms: float, forward_ms: float) -> None:
+        """A step decoded plainly: its wall time and its forward's measured ms."""
+        self.plain_seen += 1
+        weight = max(1.0 / self.plain_seen, 1.0 - GATE_MEMORY)
+        self.plain_over_ms += (max(wall_ms - forward_ms, 0.0) - self.plain_over_ms) * weight
+        self.counts["off" if not self.on else "on"] += 1
+        if not self.on:
+            self.off_steps += 1
+            if self.off_steps >= self.interval:                  # probe
+                self.on, self.window = True, []
+                self.counts["probes"] += 1
+
+    def observe(self, tokens: int, decoders: int, wall_ms: float, plain_ms: float) -> None:
+        """A step speculation was on for: the tokens its `decoders` decoding requests got in
+        `wall_ms`, where plain decoding would have taken `plain_ms` for one token each."""
+        if decoders < 1 or wall_ms <= 0 or plain_ms <= 0:
+            return
+        self.counts["on"] += 1
+        e = (tokens / wall_ms) / (decoders / plain_ms)
+        if self.probing:
+            self.window.append(e)
+            if len(self.window) == self.probe_steps:
+                self.efficiency = statistics.median(self.window)
+                self._decide(probe=True)
+            return
+        e = min(max(e, self.efficiency / 2), self.efficiency * 2)      # one stalled step moves it little
+        self.efficiency += (e - self.efficiency) * (1.0 - GATE_MEMORY)
+        self._decide(probe=False)
+
+    def _decide(self, probe: bool) -> None:
+        if self.efficiency >= 1.0 + self.margin:
+            if probe:
+                self.interval = self.first_interval
+            return
+        self.on, self.off_steps = False, 0
+        self.counts["switches_off"] += 1
+        if probe and self.counts["probes"]:       # a probe that did not pay: wait longer for the next
+            self.interval = min(2 * self.interval, self.max_interval)
+
+    def summary(self) -> dict:
+        return {"on": self.on, "efficiency": round(self.efficiency, 3), "interval": self.interval,
+                **self.counts}

@@ -1,0 +1,105 @@
+"""The batch's speculation gate and the live cost fit: pure bookkeeping, no model."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from eagle3.errors import InputError
+from eagle3.runtime.costs import CostTable, LiveCosts
+from eagle3.speculative.gate import BatchGate
+
+PLAIN_MS = 10.0
+
+
+def run(gate: BatchGate, efficiency, steps: int) -> list[bool]:
+    """`steps` batch steps of one decoding request; a speculative step at `efficiency(i)` times
+    plain decoding's tokens per ms. -> whether each step speculated."""
+    on = []
+    for i in range(steps):
+        on.append(gate.on)
+        if gate.on:
+            gate.observe(1, 1, PLAIN_MS / efficiency(i), PLAIN_MS)
+        else:
+            gate.observe_plain(PLAIN_MS, PLAIN_MS - 1.0)
+    return on
+
+
+def test_speculation_that_loses_goes_off_and_its_probes_thin_out():
+    """A start that loses turns speculation off; each probe that loses doubles the wait for the
+    next, so at most a few percent of the steps speculate over a long run."""
+    gate = BatchGate(probe_steps=4, first_interval=8, max_interval=64)
+    on = run(gate, lambda i: 0.9, 600)
+    assert on[:4] == [True] * 4 and not any(on[4:12]) and on[12:16] == [True] * 4
+    starts = [i for i in range(1, 600) if on[i] and not on[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    assert gaps[:3] == [4 + 16, 4 + 32, 4 + 64] and set(gaps[3:]) == {4 + 64}
+    assert sum(on) <= 4 + 4 * (1 + 600 // 64) and gate.counts["switches_off"] == len(starts) + 1
+
+
+def test_a_probe_that_pays_turns_speculation_on_and_resets_the_wait():
+    gate = BatchGate(probe_steps=4, first_interval=8, max_interval=64)
+    run(gate, lambda i: 0.9, 100)                      # off, waits doubled
+    assert not gate.on or gate.probing
+    assert gate.interval > 8
+    on = run(gate, lambda i: 1.3, 100)                 # the workload turns to copies: guesses pay
+    assert all(on[-50:]) and gate.interval == 8
+
+
+def test_one_stalled_step_does_not_turn_speculation_off():
+    """Speculation that pays (1.1x) stays on through a step stalled 20x by another process; a
+    lasting loss turns it off within a few steps."""
+    gate = BatchGate(probe_steps=4)
+    assert all(run(gate, lambda i: 0.05 if i == 20 else 1.1, 40))
+    on = run(gate, lambda i: 0.8, 40)
+    assert not all(on) and on.index(False) <= 6
+
+
+def test_the_margin_keeps_speculation_that_barely_pays_off():
+    gate = BatchGate(probe_steps=4, margin=0.05)
+    assert not run(gate, lambda i: 1.03, 10)[-1]
+    gate = BatchGate(probe_steps=4, margin=0.0)
+    assert run(gate, lambda i: 1.03, 10)[-1]
+
+
+def test_a_plain_step_is_predicted_with_its_time_outside_the_forward():
+    gate = BatchGate()
+    for _ in range(20):
+        gate.observe_plain(12.0, 10.0)
+    assert gate.plain_ms(10.0) == pytest.approx(12.0)
+    with pytest.raises(InputError, match="probe_steps"):
+        BatchGate(probe_steps=0)
+
+
+TABLE = CostTable((1, 2, 4, 8, 16, 32), (4.0, 4.4, 5.0, 7.0, 12.0, 23.0), (0.2,) * 6)
+
+
+def test_live_costs_fit_the_forwards_as_they_run():
+    """Forwards whose one row costs 1.2x the table and extra rows 1.5x: the fit finds both, so a
+    chain's rows are priced at what they cost now (the table alone: 8 ms for 12 more rows at 16
+    rows, measured ~12)."""
+    live = LiveCosts(TABLE)
+    assert live.target(16) == TABLE.target(16)        # nothing seen: the table
+    rng = random.Random(0)
+    for _ in range(300):
+        rows = rng.choice([3, 8, 12, 16, 20])
+        ms = 1.2 * 4.0 + 1.5 * (TABLE.target(rows) - 4.0)
+        live.observe(rows, ms * rng.uniform(0.97, 1.03), context=300)
+    a, b = live.factors(300)
+    assert a == pytest.approx(1.2, rel=0.05) and b == pytest.approx(1.5, rel=0.05)
+    assert live.target(16, 300) == pytest.approx(1.2 * 4 + 1.5 * 8, rel=0.03)
+    assert live.factors(2000) == live.factors(None)   # a context bucket not seen: the fit over all
+
+
+def test_live_costs_of_one_row_count_scale_the_table_and_never_make_rows_free():
+    live = LiveCosts(TABLE)
+    for _ in range(30):
+        live.observe(16, 18.0)
+    assert live.target(16) == pytest.approx(18.0)
+    assert live.target(20) > live.target(16) > live.target(8)
+    # a fit pulled toward free extra rows keeps them at half the one-row factor or more
+    live = LiveCosts(TABLE)
+    for rows in [1, 32] * 20:
+        live.observe(rows, 4.0 if rows == 1 else 4.5)
+    a, b = live.factors()
+    assert b >= 0.5 * a and live.target(32) > live.target(16)
