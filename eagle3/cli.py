@@ -29,14 +29,14 @@ def generate_cmd(args: argparse.Namespace) -> int:
                          max_model_len=args.max_model_len, algorithm=args.algorithm)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.sample_top_k,
                             seed=args.seed, max_new_tokens=args.max_new_tokens,
-                            stop=tuple(args.stop or ()))
+                            stop=tuple(args.stop or ()), speculative=not args.no_speculation)
     result = None
     for chunk in engine.stream(args.prompt, params, chat=not args.raw):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         result = chunk.result or result
     sys.stdout.write("\n")
-    mode = "speculative" if engine.speculative else "plain"
+    mode = "speculative" if engine.speculative and params.speculative else "plain"
     print(f"[{mode}] {len(result.token_ids)} tokens in {result.wall_s:.2f} s = "
           f"{result.tokens_per_s:.1f} tok/s, tau {result.tau:.2f}, finish {result.finish_reason}",
           file=sys.stderr)
@@ -113,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--sample-top-k", type=int, default=0, help="sampling top-k (0 = off)")
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--no-speculation", action="store_true",
+                   help="decode plainly with the draft loaded (the request-level switch a server "
+                        "request sets with \"speculation\": false)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--max-model-len", type=int, default=2048)

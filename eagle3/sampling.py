@@ -28,6 +28,8 @@ class SamplingParams:
     stop: tuple[str, ...] = ()        # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # added to the model's eos ids
     ignore_eos: bool = False
+    speculative: bool = True          # False: decoded plainly even where a draft or suffix index
+                                      # could guess (the output is the same either way)
 
     def __post_init__(self):
         if not self.temperature >= 0:

@@ -55,6 +55,8 @@ def test_parse_accepts_neutral_values_and_maps_sampling():
                                     stop=("x",))
     default = sampling_params(parse_request(ChatCompletionRequest, chat_body()), 5)
     assert default.temperature == 1.0 and default.top_k == 0     # the OpenAI default temperature
+    assert default.speculative
+    assert not sampling_params(parse_request(ChatCompletionRequest, chat_body(speculation=False)), 5).speculative
 
 
 def test_parse_completion_defaults_and_conflicts():

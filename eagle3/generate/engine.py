@@ -96,7 +96,7 @@ class Engine:
         check_length(prompt_len, max_new_tokens, self.max_model_len)
 
     def make_decoder(self, params: SamplingParams, speculative: bool = True) -> Decoder:
-        if not (self.speculative and speculative):
+        if not (self.speculative and speculative and params.speculative):
             return PlainDecoder(self.target, self.cache, params)
         from ..speculative.decoder import SpecDecoder
         return SpecDecoder(self.target, self.draft, self.cache, self.draft_cache, params, self.spec,

@@ -72,6 +72,7 @@ class SamplingFields(Strict):
     ignore_eos: bool = False                           # vLLM extension
     return_token_ids: bool = False                     # vLLM extension: the choice carries the ids
     user: Optional[str] = None                         # opaque client tag, never interpreted
+    speculation: bool = True                           # false: decoded plainly (no draft, no guesses)
     learn: bool = True                                 # false: a learning server (--learn) does not capture it
     # accepted only with their neutral value (see NEUTRAL)
     n: Optional[int] = None
@@ -175,4 +176,5 @@ def sampling_params(req: Strict, max_new_tokens: int) -> SamplingParams:
     return SamplingParams(
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=top_k, seed=req.seed,
-        max_new_tokens=max_new_tokens, stop=stop_strings(req.stop), ignore_eos=req.ignore_eos)
+        max_new_tokens=max_new_tokens, stop=stop_strings(req.stop), ignore_eos=req.ignore_eos,
+        speculative=req.speculation)
