@@ -415,3 +415,63 @@ def test_draft_watch_counts_only_the_drafts_own_proposals():
     watch.observe(Step([1, 2, 3], 2, proposed=3, arm="draft"))
     assert watch.tau == pytest.approx(1 + 2 / 3) and not watch.collapsed
 
+
+
+# ---------------------------------------------------------------------------- the shipped draft
+def shipped_copy(tmp_path: Path, name: str, state_edit=None, config_edit=None) -> Path:
+    import shutil
+    out = tmp_path / name
+    shutil.copytree(ROOT / "eagle3" / "drafts" / "smollm2-135m-eagle3", out)
+    if state_edit is not None:
+        state = load_file(str(out / "model.safetensors"))
+        state_edit(state)
+        save_file(state, str(out / "model.safetensors"))
+    if config_edit is not None:
+        cfg = json.loads((out / "config.json").read_text())
+        config_edit(cfg)
+        (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def permute_d2t(state: dict) -> None:
+    """d2t rebuilt: the same target tokens, in another order (t2d unchanged)."""
+    d2t = state["d2t"].long()
+    targets = torch.arange(d2t.numel()) + d2t
+    shuffled = targets[torch.randperm(d2t.numel(), generator=torch.Generator().manual_seed(0))]
+    state["d2t"] = (shuffled - torch.arange(d2t.numel())).to(state["d2t"].dtype)
+
+
+@pytest.mark.real
+def test_broken_deployments_of_the_shipped_draft(tmp_path, real_model):
+    """The shipped draft and its exported launch lines pass; each deployment broken from them fails
+    (exit 1) naming the field."""
+    from eagle3.export.writer import launch_lines
+    model, tok, src = real_model
+    good = shipped_copy(tmp_path, "good")
+    lines = launch_lines(good, src.hf_dir, num_steps=5, topk=4, num_draft_tokens=8)
+    report = run_doctor(model, good, [lines.sglang, lines.vllm], probe=False, tokenizer=tok)
+    assert report.ok, report.table()
+    assert only(report.checks, "contract.d2t_rows").status == "pass"
+
+    def fails(draft_dir: Path, line: str, name: str) -> None:
+        found = run_doctor(model, draft_dir, [line] if line else [], probe=False, tokenizer=tok)
+        check = [c for c in found.checks if c.name == name]
+        assert found.exit_code == 1 and check and check[0].status == "fail", found.table()
+        assert check[0].field and check[0].fix
+
+    def drop_map(state: dict) -> None:
+        state.pop("d2t"), state.pop("t2d", None)
+
+    fails(shipped_copy(tmp_path, "no_d2t", drop_map), "", "draft.d2t")
+    fails(shipped_copy(tmp_path, "permuted", permute_d2t), "", "contract.d2t_rows")
+    short = shipped_copy(tmp_path, "short", config_edit=lambda c: c.update(max_position_embeddings=2048))
+    fails(short, lines.sglang.replace(str(good), str(short)) + " --context-length 8192",
+          "launch.sglang.context_length")
+    fails(good, lines.sglang + " --speculative-token-map hot.pt", "launch.sglang.token_map")
+    spec = lines.vllm.replace('"num_speculative_tokens"', '"disable_by_batch_size": 4, '
+                              '"num_speculative_tokens"')
+    assert "disable_by_batch_size" in spec
+    fails(good, spec, "launch.vllm.disable_by_batch_size")
+    no_path = lines.sglang.replace(f"--speculative-draft-model-path {good}", "")
+    assert "--speculative-draft-model-path" not in no_path
+    fails(good, no_path, "launch.sglang.draft_path")

@@ -212,8 +212,9 @@ def check_draft_path(engine: str, path: Optional[str], draft: Optional[DraftFact
                      flag: str) -> list[Check]:
     name = f"launch.{engine}.draft_path"
     if not path:
-        return [failed(name, f"no draft model on the line ({flag} missing): nothing is speculated "
-                             "or the engine refuses to start", f"add {flag} DRAFT")]
+        return [Check(name, "fail", f"no draft model on the line ({flag} missing): nothing is "
+                      "speculated or the engine refuses to start", f"add {flag} DRAFT", field=flag,
+                      found="absent", expected="the draft's path")]
     local = Path(path).expanduser()
     if draft is not None and draft.path and local.exists() and \
             local.resolve() != Path(draft.path).expanduser().resolve():
