@@ -61,9 +61,11 @@ CATALOG: tuple[Failure, ...] = (
             (LAUNCH,), ERROR, ("launch.vllm.draft_max_model_len",),
             "vllm-project/vllm#52258", "test_vllm_draft_max_model_len"),
     Failure("sglang-token-map",
-            "SGLang --speculative-token-map with EAGLE3: ignored (it applies to EAGLE-2 drafts only)",
+            "SGLang --speculative-token-map with EAGLE3: ignored, one log line at start-up (it "
+            "reduces an EAGLE-2 draft's vocabulary only)",
             (LAUNCH,), ERROR, ("launch.sglang.token_map",),
-            "sgl-project/sglang --speculative-token-map (EAGLE-2 FR-Spec only)", "test_sglang_token_map"),
+            "sgl-project/sglang eagle worker init_token_map; suggested for an EAGLE3 draft in "
+            "sgl-project/sglang#6783", "test_sglang_token_map"),
     Failure("no-draft-path",
             "EAGLE3 launched without a draft path (SGLang --speculative-draft-model-path, vLLM "
             "\"model\" in --speculative-config)",
@@ -105,7 +107,7 @@ CATALOG: tuple[Failure, ...] = (
             "slower, not broken: sampled requests on an engine whose draft proposes by argmax accept "
             "far less than greedy ones",
             (SERVER,), WARNING, ("server.sampled_acceptance",),
-            "vllm-project/vllm#16899", "test_sampled_argmax"),
+            "vllm-project/vllm#16899 (V1 drafts by argmax at any temperature)", "test_sampled_argmax"),
 )
 BY_ID = {f.id: f for f in CATALOG}
 

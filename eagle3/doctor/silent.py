@@ -119,7 +119,8 @@ def check_token_map(token_map: Optional[str], algorithm: Optional[str]) -> list[
         return [passed(name, f"--speculative-token-map {token_map} (read by EAGLE-2 drafts)")]
     return [field_check(name, "fail", "--speculative-token-map", token_map,
                         "unset with --speculative-algorithm EAGLE3", "SGLang ignores it for EAGLE3 "
-                        "(it reduces an EAGLE-2 draft's vocabulary): the setting does nothing",
+                        "(one log line at start-up; it reduces an EAGLE-2 draft's vocabulary): the "
+                        "setting does nothing",
                         "drop the flag; an EAGLE-3 draft's vocabulary is its draft_vocab_size with "
                         "d2t in the checkpoint (reduce it at training time)")]
 
