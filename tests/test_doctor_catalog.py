@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3.doctor import doctor_main, lint_launch, run_doctor, run_server_doctor
 from eagle3.doctor.catalog import BY_ID, CATALOG, catalog_id, listing, markdown
-from eagle3.doctor.endpoint import ServerInfo
+from eagle3.doctor.endpoint import Counters, ServerInfo
 from eagle3.doctor.server import LiveStats, PhaseResult, PHASES, ServerSettings, argmax_check
 from eagle3.draft import template
 from eagle3.engines import LIVE_VLLM
@@ -475,3 +475,16 @@ def test_broken_deployments_of_the_shipped_draft(tmp_path, real_model):
     no_path = lines.sglang.replace(f"--speculative-draft-model-path {good}", "")
     assert "--speculative-draft-model-path" not in no_path
     fails(good, no_path, "launch.sglang.draft_path")
+
+
+def test_draft_lost_mid_run_fails_on_the_servers_collapsed_flag():
+    """Weights lost after a good start: the lifetime tau still passes, the recent window does not."""
+    from eagle3.doctor.server import draft_check
+    from eagle3.engines import LIVE_EAGLE3
+    info = ServerInfo(LIVE_EAGLE3, ["tiny"], {"draft": {"name": "d"}}, "/health")
+    counters = Counters(draft_steps=200.0, draft_accepted=150.0)
+    ok = draft_check(info, counters, FAST, {"name": "d", "collapsed": False})
+    assert [c.status for c in ok] == ["pass"]
+    lost = draft_check(info, counters, FAST, {"name": "d", "collapsed": True})
+    assert lost[0].status == "fail" and lost[0].field == "draft collapsed"
+    assert "the draft d" in lost[0].message and "weights are lost" in lost[0].fix

@@ -283,13 +283,16 @@ def sampled_check(results: list[PhaseResult]) -> list[Check]:
     return out
 
 
-def draft_check(info: ServerInfo, counters: Counters, s: ServerSettings) -> list[Check]:
-    """The draft's own acceptance since the server started, apart from suffix-only blocks: an
-    adaptive server stops asking a useless draft, so its overall tau alone looks healthy."""
+def draft_check(info: ServerInfo, counters: Counters, s: ServerSettings,
+                health: Optional[dict] = None) -> list[Check]:
+    """The draft's own acceptance, apart from suffix-only blocks: an adaptive server stops asking a
+    useless draft, so its overall tau alone looks healthy. Fails when the draft's tau since start is
+    <= fail_tau, or when the server says its latest own steps collapsed (weights lost mid-run).
+    `health`: the server's /health "draft" after the requests, where it has one."""
     if counters.draft_steps is None:
         return []
-    name = (info.info.get("draft") or {}).get("name") if isinstance(info.info.get("draft"), dict) \
-        else None
+    draft = health if isinstance(health, dict) else info.info.get("draft")
+    name = draft.get("name") if isinstance(draft, dict) else None
     who = f"the draft {name}" if name else "the draft"
     steps, accepted = counters.draft_steps, counters.draft_accepted or 0.0
     if steps < s.min_draft_steps:
@@ -302,6 +305,10 @@ def draft_check(info: ServerInfo, counters: Counters, s: ServerSettings) -> list
     if tau <= s.fail_tau:
         return [Check("server.draft", "fail", f"{what}: the draft is (almost) never accepted", DRAFT_LOST,
                       field="draft tau", found=round(tau, 2), expected=f"> {s.fail_tau}")]
+    if isinstance(draft, dict) and draft.get("collapsed"):
+        return [Check("server.draft", "fail", f"{what}, but its latest own steps accept (almost) "
+                      "nothing: the server reports the draft collapsed", DRAFT_LOST,
+                      field="draft collapsed", found=True, expected=False)]
     return [passed("server.draft", what)]
 
 
@@ -395,6 +402,14 @@ def run_server_doctor(url: str, api_key: Optional[str] = None, model: Optional[s
     return report
 
 
+def final_draft_health(ep: Endpoint, info: ServerInfo) -> Optional[dict]:
+    """eagle3 serve's /health "draft" now (the draft's own acceptance after the requests)."""
+    if info.engine is None or info.engine.draft_steps is None or not info.info_route:
+        return None
+    body = ep.json(info.info_route, optional=True)
+    return body.get("draft") if isinstance(body, dict) else None
+
+
 @dataclass
 class Measured:
     results: list[PhaseResult]
@@ -429,7 +444,7 @@ def measure(ep: Endpoint, model: Optional[str], s: ServerSettings, report: Docto
     if measured.speculating:
         greedy = [r for r in results if r.phase.greedy]
         report.checks.append(tau_check(info, greedy, s))
-        report.checks += draft_check(info, counters, s)
+        report.checks += draft_check(info, counters, s, final_draft_health(ep, info))
         report.checks += sampled_check([r for r in results if not r.phase.greedy])
         if greedy:
             report.checks += argmax_check(info, merged(greedy),

@@ -105,7 +105,7 @@ class DraftWatch:
     (at least `min_steps`, at most `window`) accepted less than `floor` tokens each on average;
     `steps` and `accepted` count since start."""
 
-    def __init__(self, min_steps: int = 4, floor: float = 0.1, window: int = 32):
+    def __init__(self, min_steps: int = 4, floor: float = 0.1, window: int = 64):
         self.min_steps, self.floor = min_steps, floor
         self.recent: deque[int] = deque(maxlen=window)   # the draft's own accepted tokens per step
         self.steps = 0
