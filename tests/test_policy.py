@@ -425,3 +425,25 @@ def test_blocks_not_taken_teach_their_class_without_a_probe():
     assert p.summary()["suffix_by_match"] == {
         "<4": {"tokens": 1.0, "rows": 4.0, "correction": 1.0, "steps": 0, "shadows": 3},
         "4-7": {"tokens": 6.0, "rows": 7.0, "correction": 1.0, "steps": 0, "shadows": 3}}
+
+
+def test_a_losing_draft_is_still_asked_every_draft_probe_every_steps():
+    """A draft that accepts nothing loses every comparison and its probes wait by their loss (up to
+    max_quiet_every); a drafted step still comes every draft_probe_every steps, so the draft's own
+    acceptance stays measured (a broken draft is seen on /health), and those steps count as probes."""
+    def drafted(policy, steps=3000):
+        out = []
+        for i in range(steps):
+            arm = policy.choose()
+            if arm != PLAIN:
+                out.append(i)
+            feed(policy, arm, 0, 7 if arm == TREE else 0, 5 if arm == TREE else 0)
+        return out
+    forced = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0.001,
+                            draft_probe_every=200)
+    seen = drafted(forced)
+    assert max(b - a for a, b in zip(seen, seen[1:])) <= 200 + 1 and forced.draft_probes >= 10
+    assert forced.spent["probe"] >= forced.spent["tree"]
+    free = drafted(AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0.001,
+                                  draft_probe_every=0))
+    assert max(b - a for a, b in zip(free, free[1:])) > 400

@@ -119,6 +119,10 @@ SPEC_MARGIN = 0.03        # a speculative arm is taken over plain decoding only 
                           # tokens per ms beat plain's by this share: within noise of plain, a
                           # drafting step's variance and catch-ups cost more than the gain
 CATCH_UP_PRIOR_ROWS = 64  # the draft's catch-up predicted before any was seen (decoder.CATCH_UP_WINDOW)
+DRAFT_PROBE_EVERY = 256   # a drafted step at least this often, whatever the averages say: the
+                          # draft's own acceptance stays measured (/health, eagle3 doctor --server),
+                          # so a draft gone bad (random or lost weights) is seen, not hidden behind
+                          # plain steps (~0.5% of the time at T=1)
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
@@ -179,6 +183,7 @@ class AdaptivePolicy:
     probe_steps: int = 1                       # steps an arm runs when first tried or probed
     probe_share: float = PROBE_SHARE           # 0: probe intervals ignore what a probe loses
     max_quiet_every: int = MAX_QUIET_EVERY
+    draft_probe_every: int = DRAFT_PROBE_EVERY  # 0: no drafted step is forced
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
     steps: int = 0
@@ -206,6 +211,7 @@ class AdaptivePolicy:
         self.leader: Optional[Arm] = None      # the best of the shapes and plain at the last choice
         self.run: tuple[Optional[Arm], int] = (None, 0)   # a probe under way: its arm, steps left
         self.rates: dict = {}                  # arm -> rate, until a step changes what it reads
+        self.draft_probes = 0                  # drafted steps forced by draft_probe_every
         if self.probe_steps < 1:
             raise InputError(f"AdaptivePolicy probe_steps must be >= 1, got {self.probe_steps}")
         if not 0.0 <= self.probe_share < 1.0:
@@ -250,6 +256,10 @@ class AdaptivePolicy:
             self.run = (arm, left - 1)
             return arm
         self.run = (None, 0)
+        if self.draft_due:                         # the draft's own acceptance stays measured
+            shape = min(self.shapes, key=lambda a: self.stats[a].last_step)
+            self.draft_probes += 1
+            return shape
         best = max(arms, key=self.goodput)
         self._follow(max(self.arms(), key=self.goodput))
         others = [a for a in arms if a != best]
@@ -339,6 +349,14 @@ class AdaptivePolicy:
         draft = levels * self.costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
         return self.costs.target(rows) + draft
 
+    @property
+    def draft_due(self) -> bool:
+        """No drafted step in the last draft_probe_every steps (a policy with shapes)."""
+        if not self.shapes or not self.draft_probe_every:
+            return False
+        last = max(self.stats[a].last_step for a in self.shapes)
+        return self.steps - max(last, 0) >= self.draft_probe_every
+
     # ------------------------------------------------------------------ feedback
     @property
     def probe_due(self) -> bool:
@@ -395,6 +413,7 @@ class AdaptivePolicy:
         """How the choices spread (arm name -> steps), each arm's averages and cost correction."""
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
                 "spent_ms": {k: round(v, 1) for k, v in self.spent.items()},
+                "draft_probes": self.draft_probes,
                 "catch_up": {k: round(v, 1) for k, v in self.catch_ups.items()},
                 "probe_every": self.interval,
                 "arms": {name_of(a): _averages(st, levels=True)
