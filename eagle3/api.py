@@ -163,20 +163,22 @@ def adaptive_policy(target, draft, shapes=None, remeasure: bool = False):
     SAMPLED_PROBE_STEPS for sampled ones; `shapes` given: those for both)."""
     from .runtime.costs import machine_costs
     from .speculative.policy import (DEFAULT_SHAPES, DRAFTLESS_MIN_MATCH, DRAFTLESS_SUFFIX_TOKENS, SAMPLED_MEMORY,
-                                     SAMPLED_MIN_MATCH, SAMPLED_PROBE_STEPS, SAMPLED_SHAPES,
+                                     SAMPLED_MIN_MATCH, SAMPLED_PROBE_SHARE, SAMPLED_PROBE_STEPS, SAMPLED_SHAPES,
                                      AdaptivePolicy)
     costs = machine_costs(target, draft, remeasure=remeasure)
     if draft is None:     # no draft: suffix-only blocks where the index matches, else plain steps
         return lambda greedy=True: AdaptivePolicy((), costs, suffix_only_tokens=DRAFTLESS_SUFFIX_TOKENS,
                                                   suffix_only_min_match=DRAFTLESS_MIN_MATCH,
                                                   **({} if greedy else {"memory": SAMPLED_MEMORY,
-                                                                        "probe_steps": SAMPLED_PROBE_STEPS}))
+                                                                        "probe_steps": SAMPLED_PROBE_STEPS,
+                                                                        "probe_share": SAMPLED_PROBE_SHARE}))
 
     def make(greedy: bool = True) -> AdaptivePolicy:
         if greedy:
             return AdaptivePolicy(tuple(shapes or DEFAULT_SHAPES), costs)
         return AdaptivePolicy(tuple(shapes or SAMPLED_SHAPES), costs, memory=SAMPLED_MEMORY,
-                              probe_steps=SAMPLED_PROBE_STEPS, suffix_only_min_match=SAMPLED_MIN_MATCH)
+                              probe_steps=SAMPLED_PROBE_STEPS, suffix_only_min_match=SAMPLED_MIN_MATCH,
+                              probe_share=SAMPLED_PROBE_SHARE)
     return make
 
 

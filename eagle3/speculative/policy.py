@@ -119,12 +119,15 @@ SPEC_MARGIN = 0.03        # a speculative arm is taken over plain decoding only 
                           # tokens per ms beat plain's by this share: within noise of plain, a
                           # drafting step's variance and catch-ups cost more than the gain
 CATCH_UP_PRIOR_ROWS = 64  # the draft's catch-up predicted before any was seen (decoder.CATCH_UP_WINDOW)
-DRAFT_PROBE_EVERY = 256   # a drafted step at least this often, whatever the averages say: the
+DRAFT_PROBE_EVERY = 512   # a drafted step at least this often, whatever the averages say: the
                           # draft's own acceptance stays measured (/health, eagle3 doctor --server),
                           # so a draft gone bad (random or lost weights) is seen, not hidden behind
-                          # plain steps (~0.5% of the time at T=1)
+                          # plain steps (~0.3% of the time at T=1)
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
+SAMPLED_PROBE_SHARE = 0.0025   # ... for sampled requests, where plain decoding wins ~96% of the
+                               # steps: at 1% the probes and their catch-ups were ~1% of the time
+                               # (MT-bench T=1: 0.98x plain; 2.6% of the time in probe steps)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
 
