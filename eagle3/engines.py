@@ -138,7 +138,7 @@ def is_speculators(config: dict) -> bool:
 
 # ---------------------------------------------------------------------------- engines
 @dataclass(frozen=True)
-class Engine:
+class EngineFacts:
     name: str                                # sglang | vllm | llama.cpp | eagle
     label: str
     reads: tuple[IdsSlot, ...]               # tried in order: the first stored list wins; none -> defaults
@@ -153,27 +153,27 @@ class Engine:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
 
-SGLANG = Engine(
+SGLANG = EngineFacts(
     "sglang", "SGLang", reads=(NESTED_OUTPUT, TOP_OUTPUT), older_reads=(NESTED_OUTPUT,),
     layouts=("specforge", "eagle"), export_format="specforge", method_option="--speculative-algorithm",
     methods={"eagle3": "EAGLE3", "eagle": "EAGLE"},
     other_methods=("STANDALONE", "NGRAM", "NEXTN", "DFLASH"), num_aux_layers=3)
-VLLM = Engine(
+VLLM = EngineFacts(
     "vllm", "vLLM", reads=(TOP_INPUT, NESTED_INPUT), older_reads=(TOP_INPUT,),
     layouts=("speculators", "vllm", "specforge", "eagle"), export_format="speculators",
     method_option='"method" in --speculative-config', methods={"eagle3": "eagle3", "eagle": "eagle"},
     other_methods=("suffix", "ngram", "dflash", "mtp", "draft_model"), eagle31_since="0.22")
-LLAMA_CPP = Engine(
+LLAMA_CPP = EngineFacts(
     "llama.cpp", "llama.cpp", reads=(TOP_INPUT,), layouts=("specforge", "vllm", "eagle"),
     export_format="specforge", method_option="--spec-type", methods={"eagle3": "draft-eagle3"},
     other_methods=("draft-simple",), num_aux_layers=3,
     notes=("ids are read once, by convert_hf_to_gguf.py, and baked into the GGUF as "
            "eagle3.target_layers",))
-EAGLE_REFERENCE = Engine(
+EAGLE_REFERENCE = EngineFacts(
     "eagle", "EAGLE reference", reads=(), layouts=("eagle",), export_format="eagle",
     method_option="use_eagle3 (Python API)", methods={"eagle3": "use_eagle3=True", "eagle": "use_eagle3=False"},
     num_aux_layers=3)
-ENGINES: dict[str, Engine] = {e.name: e for e in (SGLANG, VLLM, LLAMA_CPP, EAGLE_REFERENCE)}
+ENGINES: dict[str, EngineFacts] = {e.name: e for e in (SGLANG, VLLM, LLAMA_CPP, EAGLE_REFERENCE)}
 
 # How this project reads a draft's ids (draft/formats.py resolve_layer_ids, which also requires the two
 # to agree when both are stored): the ids the draft was trained on.
@@ -223,7 +223,7 @@ def read_ids(reads: tuple[IdsSlot, ...], config: dict, defaults: tuple[int, ...]
     return Reading(tuple(defaults), None, None)
 
 
-def engine_reading(engine: Engine, config: dict, defaults: tuple[int, ...]) -> Reading:
+def engine_reading(engine: EngineFacts, config: dict, defaults: tuple[int, ...]) -> Reading:
     return read_ids(engine.reads, config, defaults)
 
 

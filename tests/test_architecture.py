@@ -123,3 +123,34 @@ def test_package_imports_only_what_sits_below_it(package):
 def test_the_checker_sees_a_cycle():
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def public_classes(path: Path) -> list[str]:
+    """Public classes defined at the top of a module (a name without a leading underscore)."""
+    return [n.name for n in ast.parse(path.read_text()).body
+            if isinstance(n, ast.ClassDef) and not n.name.startswith("_")]
+
+
+def defined_twice(paths) -> dict[str, list[str]]:
+    where: dict[str, list[str]] = {}
+    for path in paths:
+        for name in public_classes(path):
+            where.setdefault(name, []).append(module_name(path))
+    return {name: mods for name, mods in where.items() if len(mods) > 1}
+
+
+def test_no_public_class_name_is_defined_in_two_modules():
+    # one name, one meaning: `Engine` is the generation engine, not also a table of peer engines
+    twice = defined_twice(sorted(ROOT.rglob("*.py")))
+    assert not twice, f"public class names defined in more than one module: {twice}"
+
+
+def test_the_checker_sees_a_name_defined_twice(tmp_path):
+    (tmp_path / "a.py").write_text("class Shared:\n    pass\nclass _Private:\n    pass\n")
+    (tmp_path / "b.py").write_text("class Shared:\n    pass\nclass _Private:\n    pass\n")
+    global ROOT
+    root, ROOT = ROOT, tmp_path
+    try:
+        assert defined_twice(sorted(tmp_path.glob("*.py"))) == {"Shared": ["eagle3.a", "eagle3.b"]}
+    finally:
+        ROOT = root

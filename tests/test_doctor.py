@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from eagle3.doctor import doctor_main, run_doctor
-from eagle3.doctor.checks import ProbeSettings
+from eagle3.doctor.offline import ProbeSettings
 from eagle3.models.config import ModelConfig
 from eagle3.models.llama import LlamaModel
 from eagle3.draft.model import DraftConfig, Eagle3Draft

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3.doctor import run_doctor
-from eagle3.doctor.checks import ProbeSettings
+from eagle3.doctor.offline import ProbeSettings
 from eagle3.draft.formats import export_format, load_draft, save_draft
 from eagle3.errors import ContractError
 from eagle3.train import speculators_data

@@ -18,7 +18,7 @@ from .. import settings
 from ..engines import ENGINES, version_tuple
 from ..errors import InputError, LoadError
 from .catalog import CATALOG, listing
-from .checks import ProbeSettings, run_doctor
+from .offline import ProbeSettings, run_doctor
 from .launch import DraftFacts, TargetFacts, lint_launch
 from .report import Check, DoctorReport
 from .server import ServerSettings, run_server_doctor

@@ -150,13 +150,13 @@ LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*(?:
 
 
 @dataclass(frozen=True)
-class Sample:
+class MetricSample:
     name: str
     labels: tuple[tuple[str, str], ...]
     value: float
 
 
-def parse_metrics(text: str, where: str = "/metrics") -> list[Sample]:
+def parse_metrics(text: str, where: str = "/metrics") -> list[MetricSample]:
     """Every sample of a Prometheus text exposition; ServerError naming the first bad line."""
     samples = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -171,7 +171,7 @@ def parse_metrics(text: str, where: str = "/metrics") -> list[Sample]:
                               f"{line[:100]!r}", "check that the URL is the engine itself; if the "
                               "engine's format changed, report it with this line (the names the "
                               "doctor reads are in eagle3/engines.py, LIVE)")
-        samples.append(Sample(m.group(1), labels, value))
+        samples.append(MetricSample(m.group(1), labels, value))
     return samples
 
 
@@ -194,7 +194,7 @@ def to_float(text: str) -> Optional[float]:
         return None
 
 
-def total(samples: list[Sample], family: Optional[str]) -> Optional[float]:
+def total(samples: list[MetricSample], family: Optional[str]) -> Optional[float]:
     """A counter family summed over its label sets (engines, models); None when absent."""
     if family is None:
         return None
@@ -202,13 +202,13 @@ def total(samples: list[Sample], family: Optional[str]) -> Optional[float]:
     return sum(found) if found else None
 
 
-def mean(samples: list[Sample], family: Optional[str]) -> Optional[float]:
+def mean(samples: list[MetricSample], family: Optional[str]) -> Optional[float]:
     """A gauge family averaged over its label sets (ranks); None when absent."""
     found = [s.value for s in samples if s.name == family] if family else []
     return sum(found) / len(found) if found else None
 
 
-def by_position(samples: list[Sample], family: Optional[str], first: int) -> dict[int, float]:
+def by_position(samples: list[MetricSample], family: Optional[str], first: int) -> dict[int, float]:
     """{k: steps accepting >= k draft tokens} (k from 1) from a counter labelled `position`."""
     out: dict[int, float] = {}
     if family is None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ..errors import Eagle3Error
-from .checks import PROBE_PROMPTS, ProbeSettings, load_draft_checked, load_target_checked, run_probe
+from .offline import PROBE_PROMPTS, ProbeSettings, load_draft_checked, load_target_checked, run_probe
 from .endpoint import Counters, Endpoint, ServerError, ServerInfo, identify, settled_counters, snippet
 from .report import Check, DoctorReport, failed, passed, warned
 
@@ -54,7 +54,7 @@ OFFLINE_CAUSES = (
 
 
 @dataclass(frozen=True)
-class Prompt:
+class ProbePrompt:
     text: str
     chat: bool
     temperature: float
@@ -63,15 +63,15 @@ class Prompt:
 @dataclass(frozen=True)
 class Phase:
     name: str
-    prompts: tuple[Prompt, ...]
+    prompts: tuple[ProbePrompt, ...]
     greedy: bool
 
 
 PHASES = (
-    Phase("greedy chat", tuple(Prompt(p, True, 0.0) for p in PROBE_PROMPTS), True),
-    Phase("greedy completion", (Prompt("The three primary colours are", False, 0.0),), True),
-    Phase("sampled", (Prompt("Write a haiku about the sea.", True, 0.7),
-                      Prompt("Once upon a time, in a small village,", False, 0.7)), False),
+    Phase("greedy chat", tuple(ProbePrompt(p, True, 0.0) for p in PROBE_PROMPTS), True),
+    Phase("greedy completion", (ProbePrompt("The three primary colours are", False, 0.0),), True),
+    Phase("sampled", (ProbePrompt("Write a haiku about the sea.", True, 0.7),
+                       ProbePrompt("Once upon a time, in a small village,", False, 0.7)), False),
 )
 
 
@@ -154,7 +154,7 @@ def merged(results: Sequence[PhaseResult]) -> LiveStats:
 
 
 # ---------------------------------------------------------------------------- requests
-def send(ep: Endpoint, model: str, prompt: Prompt, s: ServerSettings) -> int:
+def send(ep: Endpoint, model: str, prompt: ProbePrompt, s: ServerSettings) -> int:
     """One request; the completion tokens its usage reports."""
     body: dict[str, Any] = {"model": model, "max_tokens": s.max_tokens,
                             "temperature": prompt.temperature}

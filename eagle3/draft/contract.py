@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from .model import DraftBase
 
 
-class DraftInfo(Protocol):
+class EmbeddingInfo(Protocol):
     """What the contract reads of a checkpoint's inspection (formats.DraftInfo has it)."""
     embedding_source: str        # "target" | "checkpoint"
     embedding_attached: bool
@@ -86,7 +86,7 @@ def check_algorithm(draft: "DraftBase", algorithm: Optional[str]) -> list[Check]
     return [from_error("algorithm", err)]
 
 
-def check_hidden(target: ModelConfig, draft: "DraftBase", info: Optional["DraftInfo"]) -> list[Check]:
+def check_hidden(target: ModelConfig, draft: "DraftBase", info: Optional["EmbeddingInfo"]) -> list[Check]:
     cfg = draft.config
     out = [compared("hidden", cfg.target_hidden_size == target.hidden_size, "target_hidden_size",
                    cfg.target_hidden_size, target.hidden_size,
@@ -198,7 +198,7 @@ def check_attention(target: ModelConfig, draft: "DraftBase") -> list[Check]:
 
 
 def check_embedding(draft: "DraftBase", target: Optional[torch.nn.Module],
-                    info: Optional["DraftInfo"]) -> list[Check]:
+                    info: Optional["EmbeddingInfo"]) -> list[Check]:
     shared = info is None or info.embedding_source == "target"
     if info is not None and shared and not info.embedding_attached:
         return [compared("embedding", False, "embed_tokens", "not attached", "the target's embedding",
@@ -217,7 +217,7 @@ def check_embedding(draft: "DraftBase", target: Optional[torch.nn.Module],
 # ---------------------------------------------------------------------------- entry points
 def run_checks(target_config: ModelConfig, draft: "DraftBase", algorithm: Optional[str] = None,
                target: Optional[torch.nn.Module] = None,
-               info: Optional["DraftInfo"] = None) -> list[Check]:
+               info: Optional["EmbeddingInfo"] = None) -> list[Check]:
     """Every contract check on a (target, draft) pair, as data: nothing is raised for a failed check."""
     checks = check_algorithm(draft, algorithm) + check_hidden(target_config, draft, info)
     checks += check_fc(target_config, draft) + check_layer_ids(target_config, draft)
@@ -227,7 +227,7 @@ def run_checks(target_config: ModelConfig, draft: "DraftBase", algorithm: Option
 
 def check_pair(target_config: ModelConfig, draft: "DraftBase", algorithm: Optional[str] = None,
                target: Optional[torch.nn.Module] = None,
-               info: Optional["DraftInfo"] = None) -> list[Check]:
+               info: Optional["EmbeddingInfo"] = None) -> list[Check]:
     """Raise the first broken rule as a ContractError; return the warnings."""
     checks = run_checks(target_config, draft, algorithm, target, info)
     for check in checks:

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..engines import LLAMA_CPP, SGLANG, VLLM, Engine, describe, engine_reading
+from ..engines import LLAMA_CPP, SGLANG, VLLM, EngineFacts, describe, engine_reading
 from ..errors import Eagle3Error, InputError, LoadError
 from ..models.config import ModelConfig
 from ..models.target import TargetFacts
@@ -105,7 +105,7 @@ def target_facts(target_path: str) -> Optional[TargetFacts]:
     return TargetFacts.from_hf(read_hf_config(path), str(path))
 
 
-def wrong_layers(engine: Engine, info: DraftInfo, draft_dir: Path, target: TargetFacts) -> list[str]:
+def wrong_layers(engine: EngineFacts, info: DraftInfo, draft_dir: Path, target: TargetFacts) -> list[str]:
     """A note when `engine`, given `draft_dir`, captures other layers than the draft was trained on."""
     reading = engine_reading(engine, read_hf_config(draft_dir), target.default_aux_layer_ids)
     if reading.ids == info.aux_layer_ids:

@@ -28,9 +28,9 @@ EAGLE-3 draft a request may instead append its draft's top-1 tokens; the request
 one slotted draft cache and are drafted together (chains.DraftPool: a forward a level over every
 chain's rows), and the planner charges a chain what its rows add to those forwards.
 
-Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that
-is admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches
-(an Engine Run: its SpecDecoder and adaptive policy, emitting through the request's Output). When
+Speculation when alone (`solo`, an Engine with a draft on the same target): a greedy request that is
+admitted to an empty batch with nobody waiting decodes speculatively on that Engine's own caches (an
+Engine RequestRun: its SpecDecoder and adaptive policy, emitting through the request's Output). When
 another request arrives it is preempted after its current step and joins the batch: its slot takes
 the solo cache's k/v of its prompt and output so far (a copy, no forward; on a layout that is not
 row-stable they are prefilled into the slot in chunks, without emitting), and it decodes plainly
@@ -56,7 +56,7 @@ from ..speculative.gate import BatchGate
 from ..speculative.step import Step
 from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, DraftPool, DraftSpend,
                      Guess, Option, check_tree, expected_tokens, ranked_nodes, worth_asking)
-from .engine import Run
+from .engine import RequestRun
 from .output import Output
 from .scheduler import Emitted, Request, Scheduler
 
@@ -72,7 +72,7 @@ class BatchRequest(Request):
     gen: Optional[torch.Generator] = None       # its sampling generator
     slot: Optional[int] = None
     fed: int = 0                    # tokens (prompt, then output) whose k/v are in the slot
-    solo: Optional[Run] = None      # its Run on the solo engine while it decodes alone
+    solo: Optional[RequestRun] = None      # its RequestRun on the solo engine while it decodes alone
     solo_steps: int = 0             # decode steps it ran speculatively alone
     prefix_seen: bool = False       # looked up in the prefix cache (once, before its prefill)
     chain: Optional[ChainState] = None   # its suffix index and chain acceptance (chains on)

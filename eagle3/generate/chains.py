@@ -70,7 +70,7 @@ PAY_MARGIN = 0.05          # a chain must raise the step's tokens per ms by this
 
 
 @dataclass
-class Rolling:
+class ChainAcceptance:
     """The acceptance of one source's chains so far (decayed counts)."""
     accepted: float = PRIOR_ACCEPTED           # guessed tokens accepted ...
     tried: float = PRIOR_TRIED                 # ... and guesses checked (an accepted one, or the miss)
@@ -101,13 +101,13 @@ class Rolling:
 
 
 @dataclass
-class ChainState(Rolling):
+class ChainState(ChainAcceptance):
     """One request's suffix index and the acceptance of its suffix chains; `draft` its EAGLE-3
     draft chain where the batch has a draft."""
     index: SuffixIndex = field(default_factory=lambda: SuffixIndex(CHAIN_MIN_MATCH, 16, 2))
     draft: Optional["DraftChain"] = None
     accepted: float = SUFFIX_PRIOR_ACCEPTED
-    alt: Rolling = field(default_factory=lambda: Rolling(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED))
+    alt: ChainAcceptance = field(default_factory=lambda: ChainAcceptance(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED))
     # the index's candidates for its current length (guess and alternate ask it once a step)
     _proposed: Optional[tuple[int, list]] = field(default=None, repr=False, compare=False)
 
@@ -132,7 +132,7 @@ class ChainState(Rolling):
         return cands[rank].tokens[:most] if len(cands) > rank else []
 
 
-class DraftChain(Rolling):
+class DraftChain(ChainAcceptance):
     """One request's EAGLE-3 draft inside the batch, proposing a chain of its top-1 tokens. Its slot
     of the pool's draft cache pairs, at row i, the target's features of the request's token
     offset + i with the id of the token after it (SpecDecoder's layout, from `offset` on: a request
@@ -143,7 +143,7 @@ class DraftChain(Rolling):
     def __init__(self, pool: "DraftPool", slot: int, offset: int):
         super().__init__()
         self.pool, self.slot, self.offset = pool, slot, offset
-        self.alt = Rolling(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED)   # its second-best first tokens
+        self.alt = ChainAcceptance(ALT_PRIOR_ACCEPTED, ALT_PRIOR_TRIED)   # its second-best first tokens
         self.waiting: list[torch.Tensor] = []        # [m, F] features of the next tokens, in order
         self.head: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # last row: logits, hidden
 
@@ -351,7 +351,7 @@ class Guess:
                 j = parents[j]
         return seen
 
-    def observe(self, source: Rolling, path: list[int]) -> None:
+    def observe(self, source: ChainAcceptance, path: list[int]) -> None:
         """Tell the source (ChainState or DraftChain) what the path took: the chain's accepted
         tokens (none where the path left through the alternate), and the alternate branch's where
         the chain's first guess missed."""
@@ -398,7 +398,7 @@ class Option(NamedTuple):
         return k - alt, alt
 
 
-def worth_asking(source: "Rolling", floor: float) -> bool:
+def worth_asking(source: "ChainAcceptance", floor: float) -> bool:
     """A source (ChainState, DraftChain) whose chain's first guess, or its alternate's where the
     chain's misses, is accepted more often than the floor rate (ChainPlanner.floor_rate)."""
     return source.rate > floor or (1.0 - source.rate) * source.alt.rate > floor

@@ -2,9 +2,9 @@
 
 An Engine owns a target (and optionally a draft), their preallocated caches and the tokenizer. It
 serves one sequence at a time; `stream` yields Chunks, `generate` collects them into a
-GenerationResult, `start` gives the same request as a Run, a step at a time (how the schedulers
-drive it). Every step's tokens become a Chunk through the request's Output (output.py). The
-per-step token source is a Decoder: PlainDecoder, or the speculative decoder from
+GenerationResult, `start` gives the same request as a RequestRun, a step at a time (how the
+schedulers drive it). Every step's tokens become a Chunk through the request's Output
+(output.py). The per-step token source is a Decoder: PlainDecoder, or the speculative decoder from
 eagle3.speculative when a draft is attached, or a policy of suffix-only blocks without one.
 """
 from __future__ import annotations
@@ -87,10 +87,10 @@ class Engine:
             run.close()
 
     def start(self, prompt_ids: list[int], params: SamplingParams, speculative: bool = True,
-              output: Optional[Output] = None) -> "Run":
+              output: Optional[Output] = None) -> "RequestRun":
         """A request on this engine, run a step at a time (its length is checked by the caller)."""
         output = output or Output(self.tokenizer, params, self.eos_ids, len(prompt_ids))
-        return Run(self, self.make_decoder(params, speculative), prompt_ids, output)
+        return RequestRun(self, self.make_decoder(params, speculative), prompt_ids, output)
 
     def check_length(self, prompt_len: int, max_new_tokens: int) -> None:
         check_length(prompt_len, max_new_tokens, self.max_model_len)
@@ -123,7 +123,7 @@ class Engine:
         return step
 
 
-class Run:
+class RequestRun:
     """One request on an Engine: the prefill on the first `step`, a decode step on each later one,
     every step's Chunk from the request's Output. It ends itself at its last chunk; `close` ends it
     early (the thread governor gives the cores back either way)."""

@@ -1,14 +1,14 @@
 """One request at a time on an Engine, behind the scheduler interface the server drives
 (scheduler.Scheduler): BatchScheduler's, for a batch of one on any target.
 
-A request runs from its prefill to its last chunk (an Engine Run: speculative when the engine has a
-draft or a suffix policy) before the next is admitted; a step is one step of that run.
+A request runs from its prefill to its last chunk (an Engine RequestRun: speculative when the
+engine has a draft or a suffix policy) before the next is admitted; a step is one step of that run.
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from .engine import Run
+from .engine import RequestRun
 from .scheduler import Emitted, Request, Scheduler
 
 
@@ -18,7 +18,7 @@ class SerialScheduler(Scheduler):
     def __init__(self, engine):
         super().__init__(1, engine.tokenizer, engine.eos_ids, engine.max_model_len)
         self.engine = engine
-        self.run: Optional[Run] = None          # the running request's
+        self.run: Optional[RequestRun] = None          # the running request's
 
     def step(self) -> list[Emitted]:
         """The running request's next step (the first of a new one: its prefill)."""

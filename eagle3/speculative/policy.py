@@ -5,7 +5,7 @@ Arms are named choices: PLAIN (one target row, no draft forward), SpecParams sha
 SUFFIX_ONLY: the suffix index's continuations alone as the verify block (no draft forward; offered
 only at a step where the index has a match; the decoder sizes each block from the last one's
 acceptance, half to four times suffix_only_tokens). For each arm the policy keeps rolling averages
-of what its steps did (`Rolling`: the plain mean of the first ~1/(1 - memory) steps, then
+of what its steps did (`RollingMean`: the plain mean of the first ~1/(1 - memory) steps, then
 exponential with weight `memory` on the past):
 
     tokens   emitted tokens per step (accepted draft tokens + 1)
@@ -132,7 +132,7 @@ BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bound
 
 
 @dataclass
-class Rolling:
+class RollingMean:
     """A rolling mean: the plain mean of the first ~1/(1 - memory) values, then an exponential
     average with weight `memory` on the past. So the first value is not blended with a zero prior,
     and one lucky or unlucky early step weighs 1/n, like every other, instead of ~memory."""
@@ -163,7 +163,7 @@ class ArmStats:
     shadows: int = 0           # untaken suffix-only blocks judged by the greedy tokens (observe_shadow)
 
     def __post_init__(self):
-        self.tokens, self.rows, self.levels, self.ratio = (Rolling(self.memory) for _ in range(4))
+        self.tokens, self.rows, self.levels, self.ratio = (RollingMean(self.memory) for _ in range(4))
 
     @property
     def correction(self) -> float:
@@ -204,9 +204,9 @@ class AdaptivePolicy:
         self.stats = {arm: ArmStats(self.memory) for arm in (*self.shapes, PLAIN, SUFFIX_ONLY)}
         # SUFFIX_ONLY's stats are those of the match class of the step (choose's suffix_match)
         self.suffix_classes = [self.stats[SUFFIX_ONLY]] + [ArmStats(self.memory) for _ in SUFFIX_MATCH_CLASSES]
-        self.overhead = Rolling(self.memory)
+        self.overhead = RollingMean(self.memory)
         self.catch_ups = Counter()             # returns to drafting: count, rows, ms (not any arm's)
-        self.catch_up = Rolling(self.memory)   # ... and the ms of one (a shape's probe pays it)
+        self.catch_up = RollingMean(self.memory)   # ... and the ms of one (a shape's probe pays it)
         self.spent = Counter()                 # ms by kind: plain, suffix, tree, chain, probe, catch-up
         self.probing = False                   # the step chosen last is a first try or a probe
         self.interval = self.probe_every       # steps from the last probe to the next one
