@@ -343,11 +343,11 @@ def test_a_long_catch_up_is_spread_over_the_tokens_a_request_has_left(target):
     sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX,
                            chain_costs=CHEAP_ROWS, draft=draft, draft_costs=costs)
     d = sched.drafts.open(0)
-    d.wait(torch.zeros(200, 3 * 32))
+    d.wait(torch.zeros(60, 3 * 32))
     step = DRAFT_MAX_TOKENS + 1
     share = (1 + expected_tokens(d.rate, 2)) / 100
     spend = DraftSpend(costs)
-    assert sched._draft_ms(d, 100, spend)(2) == pytest.approx(costs(step) + (costs(200) - costs(step)) * share
+    assert sched._draft_ms(d, 100, spend)(2) == pytest.approx(costs(step) + (costs(60) - costs(step)) * share
                                                              + costs(1))
     d.waiting = [torch.zeros(3, 3 * 32)]             # a step's worth: charged in full
     assert sched._draft_ms(d, 100, spend)(1) == pytest.approx(costs(3))
@@ -662,3 +662,30 @@ def test_speculation_switched_off_and_on_in_the_batch_stays_lossless(one_thread)
     assert all(on == capture for on, capture in captured) and not all(on for on, _ in captured)
     restarted = [s for s in reqs[0].output.steps[9:] if s.arm == "draft"]   # after an off stretch
     assert sum(s.accepted for s in restarted) >= 3
+
+
+def test_a_draft_chain_keeps_at_most_a_window_of_rows_waiting(one_thread):
+    """Past CATCH_UP_WINDOW waiting rows a draft chain starts over from the latest of them (its slot
+    emptied, its offset moved to the first kept row), so its catch-up stays bounded; what it then
+    drafts equals the draft run over those rows alone at their positions."""
+    from eagle3.generate.chains import CATCH_UP_WINDOW
+    from spec_helpers import tiny_draft
+    model = tiny_target(seed=4)
+    draft = tiny_draft(model)
+    sched = BatchScheduler(build_target(model, torch.bfloat16, row_stable=True), StubTokenizer(), set(),
+                           max_batch=1, max_model_len=CTX, chain_costs=CHEAP_ROWS, draft=draft,
+                           draft_costs=CHEAP_DRAFT)
+    tokens = [(7 * i) % 32 for i in range(CATCH_UP_WINDOW + 31)]
+    out = model(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1), model.new_cache(CTX),
+                capture_ids=draft.config.aux_layer_ids)
+    d = sched.drafts.open(0)
+    d.wait(out.aux[0, :20])
+    assert d.guess(1, tokens) and d.length == 20 and d.offset == 0
+    d.wait(out.aux[0, 20:])
+    n = len(tokens) - 1
+    assert d.waiting_rows == CATCH_UP_WINDOW and d.offset == n - CATCH_UP_WINDOW and d.length == 0
+    d.guess(1, tokens)
+    off = d.offset
+    alone = draft(torch.tensor([tokens[off + 1:]]), torch.arange(off, n), draft.new_cache(CTX),
+                  features=out.aux[:, off:], logits_rows=slice(-1, None))
+    assert torch.allclose(alone.logits[0, -1], d.head[0], atol=1e-5)

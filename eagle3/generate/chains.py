@@ -44,6 +44,7 @@ import torch
 from ..errors import InputError
 from ..models.kv_cache import SlotCache
 from ..sampling import SamplingParams, sample_next
+from ..speculative.decoder import CATCH_UP_WINDOW
 from ..speculative.suffix import SuffixIndex
 
 CHAIN_MIN_MATCH = 4        # a guess needs a match this long (speculative.policy.DRAFTLESS_MIN_MATCH)
@@ -163,8 +164,18 @@ class DraftChain(ChainAcceptance):
         return min(self.waiting_rows, DRAFT_MAX_TOKENS + 1)
 
     def wait(self, features: torch.Tensor) -> None:
-        """The target's features [m, F] of the request's next m tokens."""
+        """The target's features [m, F] of the request's next m tokens. More than
+        CATCH_UP_WINDOW rows waiting: the draft will start over from the latest of them (an empty
+        slot at the offset of the first kept row), as the solo decoder's draft does, so a return
+        to drafting after a long stretch costs a bounded catch-up."""
         self.waiting.append(features.clone())
+        extra = self.waiting_rows - CATCH_UP_WINDOW
+        if extra > 0:
+            rows = torch.cat(self.waiting)[extra:]
+            self.offset += self.length + extra
+            if self.slot is not None:
+                self.pool.cache.truncate(self.slot, 0)
+            self.waiting, self.head = [rows], None
 
     def guess(self, k: int, tokens: Sequence[int]) -> list[int]:
         """k draft tokens after `tokens` (the request's prompt and output so far): this chain
