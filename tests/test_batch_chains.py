@@ -676,8 +676,9 @@ def test_a_draft_chain_keeps_at_most_a_window_of_rows_waiting(one_thread):
                            max_batch=1, max_model_len=CTX, chain_costs=CHEAP_ROWS, draft=draft,
                            draft_costs=CHEAP_DRAFT)
     tokens = [(7 * i) % 32 for i in range(CATCH_UP_WINDOW + 31)]
-    out = model(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1), model.new_cache(CTX),
-                capture_ids=draft.config.aux_layer_ids)
+    with torch.inference_mode():
+        out = model(torch.tensor([tokens[:-1]]), torch.arange(len(tokens) - 1), model.new_cache(CTX),
+                    capture_ids=draft.config.aux_layer_ids)
     d = sched.drafts.open(0)
     d.wait(out.aux[0, :20])
     assert d.guess(1, tokens) and d.length == 20 and d.offset == 0
@@ -686,6 +687,32 @@ def test_a_draft_chain_keeps_at_most_a_window_of_rows_waiting(one_thread):
     assert d.waiting_rows == CATCH_UP_WINDOW and d.offset == n - CATCH_UP_WINDOW and d.length == 0
     d.guess(1, tokens)
     off = d.offset
-    alone = draft(torch.tensor([tokens[off + 1:]]), torch.arange(off, n), draft.new_cache(CTX),
-                  features=out.aux[:, off:], logits_rows=slice(-1, None))
+    with torch.inference_mode():
+        alone = draft(torch.tensor([tokens[off + 1:]]), torch.arange(off, n), draft.new_cache(CTX),
+                      features=out.aux[:, off:], logits_rows=slice(-1, None))
     assert torch.allclose(alone.logits[0, -1], d.head[0], atol=1e-5)
+
+
+def test_a_draft_whose_chains_never_pay_is_still_checked_now_and_then(one_thread, monkeypatch):
+    """Rows priced so dear that no chain pays: a one-token draft chain still runs every
+    DRAFT_PROBE_EVERY batch steps, so the monitor keeps measuring the draft's own acceptance;
+    outputs stay plain decoding's."""
+    from eagle3.generate import batch as batch_module
+    from spec_helpers import tiny_draft
+    monkeypatch.setattr(batch_module, "DRAFT_PROBE_EVERY", 5)
+    model = tiny_target(seed=4)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    monitor = AcceptanceMonitor()
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=2, max_model_len=CTX, prefill_chunk=8,
+                           chain_costs=DEAR_ROWS, draft=tiny_draft(model), draft_costs=CHEAP_DRAFT,
+                           monitor=monitor)
+    params = SamplingParams(max_new_tokens=30, ignore_eos=True)
+    reqs = [sched.add(p, params) for p in DRAFT_PROMPTS[:2]]
+    chunks = drain(sched)
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    for req in reqs:
+        want = plain.generate(prompt_ids=req.prompt_ids, params=params, speculative=False).token_ids
+        assert [t for c in chunks[req.id] for t in c.token_ids] == want
+    drafted = [s for r in reqs for s in r.output.steps if s.arm == "draft"]
+    assert 3 <= len(drafted) <= 30 // 5 + 1 and all(s.proposed == 1 for s in drafted)
+    assert monitor.steps == len(drafted)

@@ -53,6 +53,7 @@ from ..sampling import SamplingParams, sample_each
 from ..runtime.costs import LiveCosts
 from ..speculative.decoder import check_draft
 from ..speculative.gate import BatchGate
+from ..speculative.policy import DRAFT_PROBE_EVERY
 from ..speculative.step import Step
 from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, DraftPool, DraftSpend,
                      Guess, Option, check_tree, expected_tokens, ranked_nodes, worth_asking)
@@ -157,6 +158,7 @@ class BatchScheduler(Scheduler):
         self.live = live
         self.gate = BatchGate() if self.chains is not None and live is not None else None
         self.spec_was_on = True           # the last batch step speculated (draft chains are fed)
+        self.draft_quiet = 0              # batch steps since a draft chain was checked
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
@@ -212,6 +214,7 @@ class BatchScheduler(Scheduler):
         if speculating and not self.spec_was_on:
             self._restart_drafts()
         self.spec_was_on = speculating
+        self.draft_quiet += 1
         blocks, guesses = self._blocks(speculating)
         trees = {i: guesses[req.id].ancestors() for i, (req, _, _) in enumerate(blocks)
                  if req.id in guesses and guesses[req.id].alternate}
@@ -240,6 +243,8 @@ class BatchScheduler(Scheduler):
                 req.fed += 1 + kept
                 self._features(req, aux, path_rows(blk.first_row, path))
                 g.observe(req.chain if g.source == "suffix" else req.chain.draft, path)
+                if g.source == "draft":
+                    self.draft_quiet = 0
                 done = Step(tokens, kept, verify_s=step_s, proposed=len(ids) - 1,
                             accepted_suffix=kept if g.source == "suffix" else 0, arm=g.source)
                 if g.source == "draft" and self.monitor is not None:
@@ -275,6 +280,21 @@ class BatchScheduler(Scheduler):
         base = len(decoding) + sum(len(ids) for _, ids, decodes in blocks if not decodes)
         got = sum(len(e.chunk.token_ids) for e in emitted if e.request.id in decoding)
         self.gate.observe(got, len(decoding), wall_ms, self.gate.plain_ms(self.live.target(base, context)))
+
+    def _draft_probe(self, decoders: list[BatchRequest], plan: dict) -> None:
+        """A draft chain of one token where none was checked in DRAFT_PROBE_EVERY batch steps
+        (policy.DRAFT_PROBE_EVERY; counted over every step, taken at the first one speculating):
+        the draft's own acceptance stays measured (the monitor, /health) when its chains never
+        pay, so a broken draft is seen. The request whose draft has rows to draft from."""
+        if (self.draft is None or self.draft_quiet < DRAFT_PROBE_EVERY
+                or any(o.source == "draft" for o, _ in plan.values())):
+            return
+        for r in decoders:
+            d = r.chain.draft if r.chain is not None else None
+            room = r.params.max_new_tokens - len(r.out_ids) - 1
+            if r.params.speculative and d is not None and (d.waiting or d.head is not None) and room > 0:
+                plan[r.id] = (Option(r.id, "draft", 1, d.rate, NO_EXTRA), 1)
+                return
 
     def _restart_drafts(self) -> None:
         """Speculation back on after plain steps that captured no features: each request's draft
@@ -337,6 +357,7 @@ class BatchScheduler(Scheduler):
                     extra_ms=lambda k, o=opt, ms=draft_ms: ms(o.branches(k)[0]),
                     take=lambda k, o=opt, step=d.catch_up_now: spend.take(step, o.branches(k)[0])))
         plan = self.chains.plan(options, rows, len(decoders)) if options else {}
+        self._draft_probe(decoders, plan)
         by_id = {r.id: r for r in decoders}
         drafts = [(rid, opt.branches(k)) for rid, (opt, k) in plan.items() if opt.source == "draft"]
         asks = [(by_id[rid].chain.draft, chain, by_id[rid].prompt_ids + by_id[rid].out_ids)
