@@ -72,14 +72,14 @@ def info_cmd(args: argparse.Namespace) -> int:
         rows.append(("--weights gguf (auto) linears" + ("" if kernels_on else ": all dequantised here"),
                      tensor_types(src.gguf, cfg.tie_word_embeddings)))
         if kernels_on:
-            from .api import gguf_inputs
+            from .layouts import gguf_inputs
             rows.append(("--weights gguf (auto) inputs", gguf_inputs(True)))
             rows.append(("--weights gguf-exact inputs", gguf_inputs(False)))
     from . import kernels
     one_byte = src.gguf is not None and kernels.quant_linear() is not None and kernels.integer_dots()
     rows.append(("--kv-cache-dtype auto", "fp16 (the codes meet one-byte inputs: llama.cpp's cache type)"
                  if one_byte else "fp32 (fp16 only beside one-byte inputs: --weights gguf on AVX512-VNNI)"))
-    from .api import q4_draft_unavailable, resolve_draft_weights
+    from .layouts import q4_draft_unavailable, resolve_draft_weights
     choice = resolve_draft_weights("auto")
     rows.append(("--draft-weights auto", choice + ("" if choice == "q4" else f" (no q4: {q4_draft_unavailable()})")))
     rows.append(("CPU threads", describe()))

@@ -33,10 +33,15 @@ def add_spec_args(p: argparse.ArgumentParser) -> None:
                         "implies fixed)")
 
 
+def one_of(choices: tuple[str, ...]) -> str:
+    return "{" + ",".join(choices) + "}"
+
+
 def add_run_args(p: argparse.ArgumentParser) -> None:
     """--weights / --draft-weights / --device / --threads: RunConfig's fields (generate, serve,
-    bench); the backend switches come from the environment (eagle3.settings)."""
-    p.add_argument("--weights", choices=WEIGHT_CHOICES, default="auto",
+    bench); the backend switches come from the environment (eagle3.settings). The precision names
+    are checked where the RunConfig is made (config.checked), not here."""
+    p.add_argument("--weights", metavar=one_of(WEIGHT_CHOICES), default="auto",
                    help="target weights on CPU: gguf (a GGUF target's own quantized codes on the "
                         "kernels, in the fewest bytes; where the CPU has AVX512-VNNI each block of 32 "
                         "inputs is rounded to one byte for integer dot products, as llama.cpp runs the "
@@ -45,12 +50,12 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
                         "weights; matches HF transformers), bf16 (a different model numerically; "
                         "verify and decode stay bit-identical, so speculation stays lossless); auto "
                         "(default): gguf for a GGUF target, else fp32")
-    p.add_argument("--draft-weights", choices=DRAFT_WEIGHT_CHOICES, default="auto",
+    p.add_argument("--draft-weights", metavar=one_of(DRAFT_WEIGHT_CHOICES), default="auto",
                    help="draft weights on CPU: q4 (4-bit blocks quantized at load, one-byte inputs, "
                         "on the kernels' integer dot products: ~2x faster draft forwards), bf16, fp32; "
                         "auto: q4 where it runs, else bf16 where oneDNN supports it, else fp32. The "
                         "draft only proposes, so the output is the same either way")
-    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_CHOICES, default="auto",
+    p.add_argument("--kv-cache-dtype", metavar=one_of(KV_CACHE_CHOICES), default="auto",
                    help="the target's KV cache: fp16 (half the bytes attention reads; llama.cpp's "
                         "default), fp32; auto (default): fp16 where the GGUF codes meet one-byte "
                         "inputs (--weights gguf), else fp32. Lossless either way")

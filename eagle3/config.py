@@ -26,6 +26,10 @@ DRAFT_WEIGHT_CHOICES = ("auto", "q4", "bf16", "fp32")
 # the target's KV cache elements (--kv-cache-dtype)
 KV_CACHE_CHOICES = ("auto", "fp16", "fp32")
 REFERENCE = "reference"     # the modules as loaded (fp32), no inference layout
+# RunConfig's precision fields -> the names each takes (`checked`: the one check of a name)
+PRECISION_CHOICES = {"weights": WEIGHT_CHOICES + (REFERENCE,),
+                     "draft_weights": DRAFT_WEIGHT_CHOICES + (REFERENCE,),
+                     "kv_cache_dtype": KV_CACHE_CHOICES}
 
 # backend switch field -> the environment variable that gives its default
 SWITCHES = {"kernels": "EAGLE3_KERNELS", "vnni": "EAGLE3_VNNI", "amx": "EAGLE3_AMX",
@@ -34,6 +38,16 @@ KERNEL_SWITCHES = ("kernels", "vnni", "amx")     # read once a process, when the
 # the switches their readers take from the environment (the kernels, the engine's governor); use()
 # sets these for the process. remeasure travels as an argument (load_engine -> adaptive_policy).
 PROCESS_SWITCHES = (*KERNEL_SWITCHES, "thread_governor")
+
+
+def checked(field_name: str, value: str) -> str:
+    """`value` when it is a name `field_name` takes (PRECISION_CHOICES), else an InputError listing
+    them: the one check of a precision name (RunConfig, and the layouts' entry points for library
+    callers who pass names)."""
+    choices = PRECISION_CHOICES[field_name]
+    if value not in choices:
+        raise InputError(f"{field_name}={value!r}: choose one of {', '.join(choices)}")
+    return value
 
 
 def _from_env(name: str):
@@ -77,15 +91,8 @@ class RunConfig:
     remeasure: bool = _from_env("EAGLE3_REMEASURE")
 
     def __post_init__(self):
-        if self.weights not in WEIGHT_CHOICES + (REFERENCE,):
-            raise InputError(f"weights={self.weights!r}: choose one of "
-                             f"{', '.join(WEIGHT_CHOICES + (REFERENCE,))}")
-        if self.draft_weights not in DRAFT_WEIGHT_CHOICES + (REFERENCE,):
-            raise InputError(f"draft_weights={self.draft_weights!r}: choose one of "
-                             f"{', '.join(DRAFT_WEIGHT_CHOICES + (REFERENCE,))}")
-        if self.kv_cache_dtype not in KV_CACHE_CHOICES:
-            raise InputError(f"kv_cache_dtype={self.kv_cache_dtype!r}: choose one of "
-                             f"{', '.join(KV_CACHE_CHOICES)}")
+        for name in PRECISION_CHOICES:
+            checked(name, getattr(self, name))
         if self.kv_cache_dtype != "auto" and self.weights == REFERENCE:
             raise InputError(f"kv_cache_dtype={self.kv_cache_dtype!r} needs an inference layout; "
                              "weights='reference' runs the modules as loaded (fp32 cache): "

@@ -54,7 +54,8 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(args.threads)
     spec = parse_shape(args.tree) if args.tree else None
     if args.draft.endswith(".pt"):        # a run's checkpoint (a study variant no export writes)
-        from eagle3.api import build_layouts, load_target
+        from eagle3.api import load_target
+        from eagle3.layouts import build_layouts
         from eagle3.generate import Engine
         from eagle3.runtime.loader import resolve_model
         from eagle3.train.pipeline import draft_from_checkpoint

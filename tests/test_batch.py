@@ -393,7 +393,7 @@ SOLO_NEW = 24
 def solo_engines():
     """(plain, speculative) Engines on one row-stable bf16 target; the draft is an oracle of the
     target's own greedy output for SOLO_PROMPTS[0] (most of its proposals are accepted)."""
-    from eagle3.api import build_layouts
+    from eagle3.layouts import build_layouts
     from eagle3.generate import Engine, SamplingParams
     from eagle3.speculative.tree import SpecParams
     from spec_helpers import StubTokenizer, oracle_draft, tiny_draft

@@ -74,6 +74,7 @@ def test_load_engine_runs_the_config(monkeypatch):
     the config's remeasure reaches the adaptive policy."""
     import types
     import eagle3.api as api
+    import eagle3.layouts as layouts
     import eagle3.runtime.loader as loader
     from spec_helpers import StubTokenizer, tiny_target
     monkeypatch.setattr(loader, "resolve_model", lambda model: types.SimpleNamespace(gguf=None, name=model))
@@ -89,7 +90,7 @@ def test_load_engine_runs_the_config(monkeypatch):
     # a target the layout does not cover keeps its own cache: asking for another is an error
     from eagle3.errors import InputError
     with pytest.raises(InputError, match="kv_cache_dtype='fp16' needs the inference layout"):
-        api.build_layouts(object(), None, "fp32", kv_cache_dtype="fp16")
+        layouts.build_layouts(object(), None, "fp32", kv_cache_dtype="fp16")
     assert asked == [True]
 
 
@@ -115,3 +116,23 @@ def test_turning_off_kernels_in_use_is_an_error(monkeypatch):
         pytest.skip(f"no kernels here: {kernels.why()}")
     with pytest.raises(InputError, match="already runs them"):
         use(RunConfig(kernels=False))
+
+
+def test_a_draft_name_means_the_same_to_the_api_the_doctor_and_the_bench(tmp_path):
+    """draft.names.resolve_draft_name reads every draft name; the doctor and the bench ask it."""
+    from eagle3.bench.runner import BenchConfig, resolve_draft as bench_draft
+    from eagle3.doctor import resolve_draft as doctor_draft
+    from eagle3.draft.names import DEFAULT_DRAFT, resolve_draft_name
+    assert resolve_draft_name("none", None) == (None, False, "--draft none")
+    assert resolve_draft_name(None, None).path is None
+    assert resolve_draft_name("suffix", None)[:2] == (None, True)
+    assert resolve_draft_name("default", "some.gguf")[:2] == (None, True)      # no shipped draft for it
+    assert resolve_draft_name(str(tmp_path), None)[:2] == (tmp_path, False)
+    if (DEFAULT_DRAFT / "config.json").is_file():
+        assert resolve_draft_name("default", None).path == DEFAULT_DRAFT
+    for name in ("none", "suffix", "default", str(tmp_path)):
+        for model in (None, "some.gguf"):
+            choice = resolve_draft_name(name, model)
+            want = None if choice.path is None else str(choice.path)
+            assert doctor_draft(name, model) == want
+            assert bench_draft(BenchConfig(model=model, draft=name)) == (want, choice.reason)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from eagle3 import kernels
-from eagle3.api import q4_draft_unavailable, resolve_draft_weights
+from eagle3.layouts import q4_draft_unavailable, resolve_draft_weights
 from eagle3.errors import InputError
 from eagle3.runtime.quant import quantize_q4
 
@@ -121,7 +121,7 @@ def test_info_says_what_auto_draft_weights_run(capsys):
 def test_a_q4_draft_of_any_layout_keeps_speculation_identical_to_plain(algorithm, layers):
     """build_layouts with draft_weights=q4 (auto's choice where it runs) over EAGLE-3 drafts with
     extra layers and EAGLE-1 drafts (fc with a bias): the output is plain decoding's."""
-    from eagle3.api import build_layouts
+    from eagle3.layouts import build_layouts
     from eagle3.generate import Engine
     from eagle3.sampling import SamplingParams
     from eagle3.speculative.tree import SpecParams

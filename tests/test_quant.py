@@ -396,7 +396,7 @@ def test_codes_that_do_not_reproduce_the_model_are_a_load_error():
 
 
 def codes_for(codes, real):
-    """api.gguf_codes for a test's tiny target: its codes (one-byte inputs where asked), or the
+    """layouts.gguf_codes for a test's tiny target: its codes (one-byte inputs where asked), or the
     real function's answer where there are no kernels."""
     def pick(target, src, one_byte_inputs=True):
         if kernels.quant_linear() is None:
@@ -409,20 +409,20 @@ def codes_for(codes, real):
 @pytest.mark.parametrize("weights", ["gguf", "gguf-exact"])
 @pytest.mark.parametrize("type_name", TYPES)
 def test_greedy_speculation_on_the_codes_equals_plain_decoding(type_name, weights):
-    from eagle3.api import build_layouts
+    from eagle3.layouts import build_layouts
     from eagle3.generate import Engine
     from eagle3.sampling import SamplingParams
     from eagle3.speculative.tree import SpecParams
     model, codes = gguf_tiny_target(type_name, seed=3)
     draft = tiny_draft(model)
     source = type("Source", (), {"gguf": "tiny.gguf", "name": "tiny"})()
-    import eagle3.api as api
-    real = api.gguf_codes
-    api.gguf_codes = codes_for(codes, real)
+    import eagle3.layouts as layouts
+    real = layouts.gguf_codes
+    layouts.gguf_codes = codes_for(codes, real)
     try:
         target, drafter = build_layouts(model, draft, weights, "fp32", source)
     finally:
-        api.gguf_codes = real
+        layouts.gguf_codes = real
     assert ("int8 inputs" in target.weights_name) == (weights == "gguf" and kernels.integer_dots())
     plain = Engine(target, StubTokenizer(), max_model_len=128)
     spec = Engine(target, StubTokenizer(), draft=drafter, spec=SpecParams(4, 3, 8, 0.0), max_model_len=128)
@@ -433,7 +433,7 @@ def test_greedy_speculation_on_the_codes_equals_plain_decoding(type_name, weight
 
 
 def test_gguf_weights_need_a_gguf_target():
-    from eagle3.api import resolve_weights
+    from eagle3.layouts import resolve_weights
     source = type("Source", (), {"gguf": None, "name": "some/hf-dir"})()
     with pytest.raises(InputError, match="weights=gguf runs a GGUF file's own quantized weights"):
         resolve_weights("gguf", source)
@@ -533,18 +533,18 @@ def test_gguf_exact_weights_decode_what_the_dequantised_model_decodes():
     """weights=gguf-exact gives the reference (dequantised fp32) model's greedy tokens: on the kernels
     through the codes, and where there are none (EAGLE3_KERNELS=0: scripts/test.sh reruns this) through
     the fp32 layout it falls back to."""
-    from eagle3.api import build_layouts
+    from eagle3.layouts import build_layouts
     from eagle3.generate import Engine
     from eagle3.sampling import SamplingParams
-    import eagle3.api as api
+    import eagle3.layouts as layouts
     model, codes = gguf_tiny_target("Q4_1", seed=5)
     source = type("Source", (), {"gguf": "tiny.gguf", "name": "tiny"})()
-    real = api.gguf_codes
-    api.gguf_codes = codes_for(codes, real)
+    real = layouts.gguf_codes
+    layouts.gguf_codes = codes_for(codes, real)
     try:
         target, _ = build_layouts(copy.deepcopy(model), None, "gguf-exact", "fp32", source)
     finally:
-        api.gguf_codes = real
+        layouts.gguf_codes = real
     assert bool(target.gguf) == (kernels.quant_linear() is not None)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     for prompt in ([1, 2, 3], [7, 7, 8, 9, 10]):

@@ -414,8 +414,8 @@ def test_bf16_draft_weights_keep_greedy_identity(target, reference):
         assert result.tau >= 2.0      # a bf16 oracle still proposes mostly the right tokens
 
 
-needs_q4 = pytest.mark.skipif(__import__("eagle3.api").api.q4_draft_unavailable() is not None,
-                              reason="no q4 drafts here (eagle3.api.q4_draft_unavailable)")
+needs_q4 = pytest.mark.skipif(__import__("eagle3.layouts").layouts.q4_draft_unavailable() is not None,
+                              reason="no q4 drafts here (eagle3.layouts.q4_draft_unavailable)")
 
 
 @pytest.mark.lossless
@@ -436,11 +436,11 @@ def test_q4_draft_weights_keep_greedy_identity(target, reference):
 
 
 def test_draft_weights_choice_is_checked():
-    from eagle3.api import draft_weight_dtype
     from eagle3.errors import InputError
-    assert draft_weight_dtype("fp32") == torch.float32
+    from eagle3.layouts import draft_weight_dtype, resolve_draft_weights
+    assert draft_weight_dtype("fp32") == torch.float32 and resolve_draft_weights("fp32") == "fp32"
     with pytest.raises(InputError, match="draft_weights='int4'"):
-        draft_weight_dtype("int4")
+        resolve_draft_weights("int4")
 
 
 # ---------------------------------------------------------------------------- early stop
@@ -479,7 +479,7 @@ def test_greedy_identical_through_the_inference_layouts(target, reference, weigh
     """Speculation on the inference layouts load_engine builds (whatever backend this machine and
     EAGLE3_KERNELS give: avx512, or onednn with fp64 row-stable attention) equals plain decoding
     on the same target layout, token for token."""
-    from eagle3.api import build_layouts
+    from eagle3.layouts import build_layouts
     if weights == "bf16" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("no oneDNN bf16 here")
     laid_target, _ = build_layouts(target, None, weights)

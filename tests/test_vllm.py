@@ -240,7 +240,7 @@ def test_bench_options_and_the_identity_pairs(tmp_path):
 
 
 def test_every_weights_choice_has_a_vllm_dtype():
-    from eagle3.api import WEIGHT_CHOICES
+    from eagle3.config import WEIGHT_CHOICES
     from eagle3.bench.vllm_peer import DTYPES
     assert set(WEIGHT_CHOICES) <= set(DTYPES)
 

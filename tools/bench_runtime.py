@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from eagle3.api import build_layouts
+from eagle3.layouts import build_layouts
 from eagle3.generate import Engine, SamplingParams
 from eagle3.runtime.loader import load_model, load_tokenizer, resolve_model
 

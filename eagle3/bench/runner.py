@@ -15,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import REFERENCE, RunConfig, available_cores, use
+from ..draft.names import resolve_draft_name
 from ..errors import InputError
 from ..speculative.policy import DEFAULT_SHAPES, name_of
 from ..speculative.tree import SpecParams
@@ -93,17 +94,8 @@ class Setup:
 # ---------------------------------------------------------------------------- setup
 def resolve_draft(cfg: BenchConfig) -> tuple[Optional[str], Optional[str]]:
     """(draft argument for load_engine, reason when there is none)."""
-    from ..api import default_draft_path
-    if cfg.draft in ("none", ""):
-        return None, "--draft none"
-    if cfg.draft == "suffix":
-        return None, "--draft suffix (no draft model: suffix-only blocks)"
-    if cfg.draft == "default":
-        path = default_draft_path(cfg.model)
-        if path is None:
-            return None, "no shipped draft for this model yet; pass --draft PATH"
-        return str(path), None
-    return cfg.draft, None
+    choice = resolve_draft_name(cfg.draft, cfg.model)
+    return (str(choice.path) if choice.path is not None else None), choice.reason
 
 
 def spec_shapes(cfg: BenchConfig) -> dict[str, SpecParams]:
@@ -210,14 +202,14 @@ def stop_ids_of(engine) -> tuple[int, ...]:
 def add_ours(cfg: BenchConfig, b: Builder, engine, no_draft: Optional[str], src):
     """The inference layouts (as load_engine builds them), then ours-plain and the chain and tree
     shapes; (shapes, the target's layout)."""
-    from ..api import build_layouts
+    from ..layouts import build_layouts
     before = rss_bytes()
     target, draft = build_layouts(engine.target, engine.draft, cfg.weights, cfg.draft_weights, src)
     shapes = spec_shapes(cfg) if engine.speculative else {}
     policy = None
     # without a draft (none shipped for this model, or --draft suffix) ours-adaptive runs suffix-only
     # blocks, as load_engine does
-    if wanted(cfg, ADAPTIVE) and (draft is not None or cfg.draft in ("default", "suffix")):
+    if wanted(cfg, ADAPTIVE) and (draft is not None or resolve_draft_name(cfg.draft, cfg.model).suffix_only):
         from ..api import adaptive_policy
         policy = adaptive_policy(target, draft)                  # cost table: measured once, cached
     b.systems += build_ours(target, draft, engine.tokenizer, engine.max_model_len, shapes, policy)

@@ -15,6 +15,7 @@ import sys
 from typing import Optional
 
 from .. import settings
+from ..draft.names import resolve_draft_name
 from ..engines import ENGINES, version_tuple
 from ..errors import InputError, LoadError
 from .catalog import CATALOG, listing
@@ -64,13 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_draft(draft: str, target: Optional[str]) -> Optional[str]:
-    if draft in ("none", ""):
-        return None
-    if draft == "default":
-        from ..api import default_draft_path
-        path = default_draft_path(target)
-        return str(path) if path is not None else None
-    return draft
+    """The draft directory --draft names for `target` (None: no draft model to inspect)."""
+    path = resolve_draft_name(draft, target).path
+    return str(path) if path is not None else None
 
 
 def engine_versions(items: list[str]) -> dict[str, str]:
