@@ -141,7 +141,8 @@ def serve_phase(args, out: Path, learn_prompts: list[str]) -> None:
                                                     args.max_tokens, learn=False), enumerate(general)))
             replay.write_text("".join(json.dumps(r) + "\n" for r in recs))
         t0 = time.time()
-        jobs = [(i, p, float(t)) for i, p in enumerate(learn_prompts) for t in (0, 1)]
+        jobs = [(r * len(learn_prompts) + i, p, float(t)) for r in range(args.repeat)
+                for i, p in enumerate(learn_prompts) for t in (0, 1)]
         with ThreadPoolExecutor(args.clients) as pool:
             for rec in pool.map(lambda j: ask(args.port, j[1], j[2], j[0], args.max_tokens), jobs):
                 log.write(json.dumps({"reply_tokens": len(rec["response_ids"]), "seconds": rec["seconds"]}) + "\n")
@@ -172,14 +173,52 @@ def wait_learning(args, out: Path, t0: float) -> None:
     (out / "learning.json").write_text(json.dumps({"gauges": g, "seconds_after_stream_start": round(time.time() - t0)}))
 
 
+# ---------------------------------------------------------------------------- the curve
+def prefix_phase(args, out: Path, counts: list[int]) -> None:
+    """Candidates learned from the first N requests of the stream (the same round, offline, in
+    this process, ungated: margin -1), for tau against requests learned. Their traffic shards link
+    to the server's, so the feature store's parts are reused; the held-out shards are the server's."""
+    import torch
+    from eagle3.learn import versions
+    from eagle3.learn.capture import traffic_shards
+    from eagle3.learn.learner import LearnConfig, learn_round, read_state, write_state
+    from eagle3.learn.process import load_reference
+    from eagle3.learn.traffic import read_shard
+    torch.set_num_threads(args.threads)
+    main = out / "learn"
+    state = read_state(main)
+    held = set(state["heldout"])
+    target, _ = load_reference(args.model)
+    for n in counts:
+        root = out / f"prefix-{n}"
+        if (root / "drafts" / "current").is_file() and versions.current(root) > 0:
+            continue
+        (root / "traffic").mkdir(parents=True, exist_ok=True)
+        seen = 0
+        for shard in traffic_shards(main):
+            if shard.name in held or seen < n:
+                link = root / "traffic" / shard.name
+                if not link.exists():
+                    link.symlink_to(shard.resolve())
+                seen += 0 if shard.name in held else len(read_shard(shard).records)
+        if not (root / "features").exists():
+            (root / "features").symlink_to((main / "features").resolve())
+        (root / "learn.json").write_text((main / "learn.json").read_text())
+        versions.ensure_v0(root, versions.draft_path(main, 0))
+        if not (root / "learner" / "state.json").is_file():
+            write_state(root, {"round": 0, "heldout": sorted(held), "trained": []})
+        replay = str(out / "replay.jsonl")
+        card = learn_round(LearnConfig(str(root), args.model, replay=replay, margin=-1.0), target)
+        print(f"prefix {n} ({seen} requests): v{card['version']} {card['gate']['reason']}", flush=True)
+
+
 # ---------------------------------------------------------------------------- eval
 def version_dirs(learn_dir: Path) -> dict[str, str | None]:
     from eagle3.learn import versions
     out = {}
     for v in versions.versions(learn_dir):
-        card = versions.card(learn_dir, v)
-        if card.get("status") in ("served", "rolled back") or v == 0:
-            path = versions.draft_path(learn_dir, v)
+        path = versions.draft_path(learn_dir, v)          # rejected candidates too, when kept
+        if v == 0 or path is not None:
             out[f"v{v}"] = str(path) if path else None
     return out
 
@@ -227,7 +266,12 @@ def eval_phase(args, out: Path, held: list[str]) -> dict:
         plain = default_step(model, "none", held, args.eval_tokens, args.threads)
         results["plain"] = plain
     mt = first_turns(args.mtbench_prompts)
-    for name, draft in version_dirs(out / "learn").items():
+    found = version_dirs(out / "learn")
+    for pre in sorted(out.glob("prefix-*")):
+        from eagle3.learn import versions
+        if versions.current(pre):
+            found[pre.name] = str(versions.draft_path(pre, versions.current(pre)))
+    for name, draft in found.items():
         if name in results:
             continue
         draft_arg = draft or "suffix"
@@ -262,13 +306,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stream", default="code")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phase", choices=["all", "prompts", "serve", "eval"], default="all")
+    ap.add_argument("--phase", choices=["all", "prompts", "serve", "prefixes", "eval"], default="all")
+    ap.add_argument("--prefixes", default="", help="with --phase prefixes: request counts, e.g. 50,100")
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None)
     ap.add_argument("--learn-prompts", type=int, default=120)
     ap.add_argument("--heldout-prompts", type=int, default=20)
     ap.add_argument("--replay-prompts", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeat", type=int, default=1, help="stream passes (seeds differ): a small stream served again")
     ap.add_argument("--min-tokens", type=int, default=20000)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--max-batch", type=int, default=8)
@@ -288,6 +334,8 @@ def main(argv=None) -> int:
     prompts = json.loads(ppath.read_text())
     if args.phase in ("all", "serve") and not (args.out / "learning.json").is_file():
         serve_phase(args, args.out, prompts["learn"])
+    if args.phase == "prefixes":
+        prefix_phase(args, args.out, [int(x) for x in args.prefixes.split(",") if x])
     if args.phase in ("all", "eval"):
         print(table(eval_phase(args, args.out, prompts["heldout"])))
     return 0

@@ -213,6 +213,7 @@ def test_a_candidate_with_nan_weights_is_rejected_and_v0_keeps_serving(learn_dir
         card = learner.learn_round(tiny_learn_config(root, margin=-1.0), target)
     assert card["status"] == "rejected" and "non-finite" in card["gate"]["reason"]
     assert versions.current(root) == 0
+    assert not (root / "drafts" / "v1" / "model.safetensors").exists()
     assert len([r for r in caplog.records if "rejected" in r.getMessage()]) == 1
 
 
@@ -262,3 +263,12 @@ def test_the_learner_waits_while_the_server_is_busy(tmp_path):
     assert not done.is_set()
     pause_path(tmp_path).unlink()
     assert done.wait(2)
+
+
+def test_a_rejected_candidate_keeps_its_weights_but_not_the_service(learn_dir, one_thread):
+    from eagle3.learn.learner import learn_round
+    root, target, _ = learn_dir
+    card = learn_round(tiny_learn_config(root, margin=100.0), target)
+    assert card["status"] == "rejected" and versions.current(root) == 0
+    assert (root / "drafts" / "v1" / "model.safetensors").is_file()
+    assert versions.card(root, 1)["gate"]["candidate"]["est_tau"] >= 1.0

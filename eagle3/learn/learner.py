@@ -248,7 +248,7 @@ def publish(cfg: LearnConfig, plan: dict, candidate, target, gate, data: dict, s
     root = cfg.dir
     version = versions.next_version(root)
     vdir = versions.drafts_dir(root) / f"v{version}"
-    if verdict.passed:
+    if verdict.passed or non_finite(candidate) is None:     # every finite candidate is kept
         save_draft(candidate, vdir, "specforge", target.config)
     body = {"status": "served" if verdict.passed else "rejected", "parent": plan["served"],
             "round": plan["round"], "data": data, "steps": steps, "epochs": cfg.epochs, "lr": cfg.lr,

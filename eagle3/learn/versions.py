@@ -1,6 +1,7 @@
 """Draft versions under DIR/drafts: `vN/` (a draft directory in the SpecForge layout, which
 `eagle3 generate --draft DIR/drafts/vN` loads, and `card.json`: its data, steps and gate figures),
-and `current`, a one-line file naming the served version (written atomically). v0 is the draft the
+and `current`, a one-line file naming the served version (written atomically). A rejected
+candidate keeps its weights when they are finite (it can be measured or served by hand). v0 is the draft the
 server started with (a record of where it came from, no copy of its weights)."""
 from __future__ import annotations
 
