@@ -10,14 +10,14 @@ import importlib
 import sys
 from typing import Optional
 
-from .cli_args import add_run_args, add_spec_args, run_config_from_args, spec_from_args
+from .cli_args import MODEL_HELP, add_run_args, add_spec_args, run_config_from_args, spec_from_args
 from .errors import Eagle3Error
 
 DELEGATED = {  # subcommand -> (module, function, help)
     "serve": ("eagle3.serve", "serve_main", "OpenAI-compatible server with speculation metrics"),
     "train": ("eagle3.train", "train_main", "train an EAGLE-3 draft for a target"),
-    "export": ("eagle3.export.writer", "export_main", "export a draft for SGLang / vLLM / llama.cpp"),
-    "doctor": ("eagle3.doctor", "doctor_main", "check a target/draft pair or a launch line"),
+    "export": ("eagle3.export.cli", "export_main", "export a draft for SGLang / vLLM / llama.cpp"),
+    "doctor": ("eagle3.doctor.cli", "doctor_main", "check a target/draft pair or a launch line"),
     "bench": ("eagle3.bench", "bench_main", "benchmark against HF transformers and llama.cpp"),
 }
 
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate text (speculative when a draft is available)")
     g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="target: .gguf, HF dir, or default SmolLM2")
+    g.add_argument("--model", default=None, help=MODEL_HELP)
     add_spec_args(g)
     add_run_args(g)
     g.add_argument("--max-new-tokens", type=int, default=256)

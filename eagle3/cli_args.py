@@ -8,12 +8,14 @@ import argparse
 from .config import DRAFT_WEIGHT_CHOICES, KV_CACHE_CHOICES, WEIGHT_CHOICES, RunConfig
 
 
+MODEL_HELP = "target: .gguf, HF dir, qwen2.5-coder-0.5b, or the default SmolLM2"
+DRAFT_HELP = ("draft checkpoint dir; 'default' = the shipped draft for the default model (any other "
+              "model: as 'suffix'); 'suffix' = no draft model, blocks copied from suffix matches over the "
+              "prompt and output, verified where they pay; 'none' = plain decoding (draft.names)")
+
+
 def add_spec_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft", default="default",
-                   help="draft checkpoint dir; 'default' = the shipped draft for the default model "
-                        "(any other model: as 'suffix'); 'suffix' = no draft model, blocks copied from "
-                        "suffix matches over the prompt and output, verified where they pay; 'none' = "
-                        "plain decoding")
+    p.add_argument("--draft", default="default", help=DRAFT_HELP)
     p.add_argument("--algorithm", choices=["eagle3", "eagle"], type=str.lower,
                    help="assert the draft's algorithm (read from the checkpoint; a mismatch is an error)")
     p.add_argument("--top-k", type=int, default=None, help="tree: children per node (1 = chain)")

@@ -121,7 +121,7 @@ def test_turning_off_kernels_in_use_is_an_error(monkeypatch):
 def test_a_draft_name_means_the_same_to_the_api_the_doctor_and_the_bench(tmp_path):
     """draft.names.resolve_draft_name reads every draft name; the doctor and the bench ask it."""
     from eagle3.bench.runner import BenchConfig, resolve_draft as bench_draft
-    from eagle3.doctor import resolve_draft as doctor_draft
+    from eagle3.doctor.cli import resolve_draft as doctor_draft
     from eagle3.draft.names import DEFAULT_DRAFT, resolve_draft_name
     assert resolve_draft_name("none", None) == (None, False, "--draft none")
     assert resolve_draft_name(None, None).path is None

@@ -349,3 +349,10 @@ def test_eagle1_draft_served_as_eagle3(tmp_path, target_dir, target):
     assert "EAGLE-1/2" in by_name(report, "draft.algorithm")[0].message
     assert_fails(report, "launch.sglang.algorithm", "--speculative-algorithm EAGLE (")
     assert_fails(report, "launch.vllm.method", '"method": "eagle"')
+
+
+def test_doctor_names_the_target_model_and_keeps_target():
+    from eagle3.doctor.cli import build_parser
+    new = build_parser().parse_args(["--model", "m", "--server", "u", "--served-model-name", "s"])
+    old = build_parser().parse_args(["--target", "m", "--server", "u", "--served-model-name", "s"])
+    assert vars(new) == vars(old) and (new.model, new.served_model_name) == ("m", "s")

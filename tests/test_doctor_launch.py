@@ -267,7 +267,7 @@ def test_a_plain_draft_gets_no_norm_check():
 
 
 def test_engine_versions_flag():
-    from eagle3.doctor import engine_versions
+    from eagle3.doctor.cli import engine_versions
     from eagle3.errors import InputError
     assert engine_versions(["vllm=0.32.0", "sglang=0.5.3"]) == {"vllm": "0.32.0", "sglang": "0.5.3"}
     for bad in ("vllm", "tgi=1.0", "vllm=latest"):

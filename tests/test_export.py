@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.export.writer import export_draft, export_main, launch_lines
+from eagle3.export.cli import export_main
+from eagle3.export.writer import export_draft, launch_lines
 from eagle3.draft.formats import load_draft, save_draft
 from eagle3.models.target import TargetFacts
 
@@ -77,8 +78,8 @@ def test_every_engine_reads_the_trained_ids_from_our_export(target, tmp_path, fm
 # ---------------------------------------------------------------------------- export_main
 def test_export_main_writes_both_layouts(target, target_dir, tmp_path, capsys):
     src = save_draft(tiny_draft(target), tmp_path / "src", "eagle", target.config)
-    rc = export_main(["--draft", str(src), "--out", str(tmp_path / "out"), "--target", str(target_dir),
-                      "--num-steps", "3", "--topk", "2", "--num-draft-tokens", "6"])
+    rc = export_main(["--draft", str(src), "--out", str(tmp_path / "out"), "--model", str(target_dir),
+                      "--depth", "3", "--top-k", "2", "--num-draft-tokens", "6"])
     out = capsys.readouterr().out
     assert rc == 0
     sf, sp = config_of(tmp_path / "out/specforge"), config_of(tmp_path / "out/speculators")
@@ -89,6 +90,13 @@ def test_export_main_writes_both_layouts(target, target_dir, tmp_path, capsys):
     assert sp["speculators_config"]["verifier"]["name_or_path"] == str(target_dir)
     assert "--speculative-num-draft-tokens 6" in out and "--spec-draft-n-max 3" in out
     assert str(tmp_path / "out/speculators") in out  # vLLM is pointed at the speculators export
+
+
+def test_export_takes_generate_flag_names_and_keeps_the_old_ones():
+    from eagle3.export.cli import parse_args
+    new = parse_args(["--draft", "d", "--out", "o", "--model", "m", "--top-k", "2", "--depth", "3"])
+    old = parse_args(["--draft", "d", "--out", "o", "--target", "m", "--topk", "2", "--num-steps", "3"])
+    assert vars(new) == vars(old) and (new.model, new.top_k, new.depth) == ("m", 2, 3)
 
 
 def test_export_main_custom_ids_top_level_for_vllm_and_llama_cpp(target, target_dir, tmp_path, capsys):

@@ -22,7 +22,7 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from ..cli_args import add_run_args, run_config_from_args
+from ..cli_args import DRAFT_HELP, MODEL_HELP, add_run_args, run_config_from_args
 from ..config import available_cores
 from ..errors import InputError
 from ..speculative.tree import SpecParams
@@ -45,8 +45,8 @@ TUNE = dict(prompts=4, max_new_tokens=64)
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="eagle3 bench", description=__doc__.splitlines()[0])
-    p.add_argument("--model", default=None, help="target (default: packaged SmolLM2 GGUF)")
-    p.add_argument("--draft", default="default", help="draft dir; 'default' = the shipped draft")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--draft", default="default", help=DRAFT_HELP)
     p.add_argument("--workload", choices=list(WORKLOADS), default="mtbench",
                    help="mtbench: MT-bench first turns (80); copy: ShareGPT prompts whose answers "
                         "quote their input (40; see docs/benchmarks.md)")

@@ -149,7 +149,7 @@ runs, answers are right, and acceptance has quietly collapsed or a setting is qu
 is rebuilt small in `tests/test_doctor_catalog.py` (the named test), where the doctor names the
 field, both values and the fix, and the good case passes.
 
-- Where caught: *pair check* (`eagle3 doctor --draft D --target T`), *launch lint* (`--launch LINE`,
+- Where caught: *pair check* (`eagle3 doctor --draft D --model T`), *launch lint* (`--launch LINE`,
   with `--engine-version ENGINE=X` where the release matters), *live probe* (our engine on the pair),
   *server* (`--server URL`).
 - Severity: `error` exits 1 (acceptance lost or a setting silently ignored); `warning` is only

@@ -126,7 +126,7 @@ def ids_fix(engine: str, ids: tuple[int, ...], draft_path: Optional[str] = None,
     """Re-export for the engine, or write the ids where (and as) it reads them first."""
     spec = ENGINES[engine]
     slot = spec.reads[0]
-    export = (f"eagle3 export --draft {draft_path or 'DRAFT'} --target {target_path or 'TARGET'} "
+    export = (f"eagle3 export --draft {draft_path or 'DRAFT'} --model {target_path or 'TARGET'} "
               f"--out OUT --format {spec.export_format}")
     fix = (f"export the {spec.export_format} layout with `{export}`, or set {slot.label} = "
            f"{slot.as_stored(ids)} ({slot.meaning}, {spec.label}'s reading) in the "
@@ -142,7 +142,7 @@ def check_ids(engine: str, draft: Optional[DraftFacts], config: Optional[dict],
     if config is None or target is None:
         return [warned(name, "cannot tell which layers the engine captures (draft config or "
                              "target layer count unknown)",
-                       "pass --draft and --target (local paths) to eagle3 doctor")]
+                       "pass --draft and --model (local paths) to eagle3 doctor")]
     view = engine_ids(engine, config, target.num_layers)
     trained = trained_ids(draft, config, target.num_layers)
     label = ENGINES[engine].label

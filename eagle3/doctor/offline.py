@@ -71,7 +71,7 @@ def load_target_checked(target: Any, report: DoctorReport) -> Pair:
         try:
             pair = _load_target(None if target is None else str(target))
         except Eagle3Error as e:
-            report.checks.append(failed("target.load", str(e), "give --target a local HF "
+            report.checks.append(failed("target.load", str(e), "give --model a local HF "
                                         "directory (config.json + safetensors) or a .gguf file"))
             return Pair()
     cfg = pair.target.config

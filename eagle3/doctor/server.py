@@ -12,7 +12,7 @@ before and after each phase, and gives a verdict:
 | api/timeout/metrics| or its metrics do not parse (endpoint.ServerError)                         |
 | server.speculation | speculation is off (no counters, no draft) or configured but never ran     |
 | server.tau         | greedy tau <= fail_tau: (almost) nothing accepted; names the likely causes |
-| server.offline     | with --draft/--target: far below what our own probe gets on the same pair  |
+| server.offline     | with --draft/--model:  far below what our own probe gets on the same pair  |
 | server.draft       | the draft's own steps (eagle3 serve: apart from suffix-only blocks, since  |
 |                    | start) accept (almost) nothing: weights lost or random                     |
 | server.sampled_    | warns: sampled requests accept far less than greedy on an engine whose     |
@@ -40,12 +40,12 @@ LIVE_CAUSES = (
     "i' vs 'output of layer i': vLLM reads a lone SpecForge eagle_config list one layer early), the "
     "draft vocabulary map (d2t) missing so draft ids are read as target ids, draft weights lost "
     "(an RL weight update or a memory release that did not restore them) or never trained, or a "
-    "draft trained for another target. Check the pair and the launch line: eagle3 doctor --target T "
+    "draft trained for another target. Check the pair and the launch line: eagle3 doctor --model T "
     "--draft D --launch 'LINE'")
 DRAFT_LOST = (
     "the draft's weights are lost or random: an RL weight update or a memory release that did not "
     "restore the draft, a draft never trained or not loaded. Reload the draft's trained weights and "
-    "check the pair offline: eagle3 doctor --target T --draft D")
+    "check the pair offline: eagle3 doctor --model T --draft D")
 OFFLINE_CAUSES = (
     "the engine runs the draft differently from how it was trained: layer ids read in the other "
     "numbering (a SpecForge eagle_config list taken raw by vLLM runs one layer early), the wrong "
@@ -224,7 +224,7 @@ def speculation_check(info: ServerInfo, before: Counters, results: list[PhaseRes
     if is_on is None:
         return failed(name, f"cannot see speculation on {info.label}: {how}",
                       "serve with vLLM, SGLang or eagle3 serve (their counters are read), or "
-                      "check the pair offline: eagle3 doctor --target T --draft D")
+                      "check the pair offline: eagle3 doctor --model T --draft D")
     if not is_on:
         return failed(name, f"{info.label} is not speculating ({how})",
                       NOT_SPECULATING_FIX[info.engine.name])
@@ -366,7 +366,7 @@ def offline_checks(report: DoctorReport, target: Any, draft: Optional[str], phas
         offline = run_probe(pair, pair.draft, probe, plain=False)
     except Eagle3Error as e:
         report.checks.append(warned("server.offline", f"offline probe did not run: {e}",
-                                    "check the pair alone: eagle3 doctor --target T --draft D"))
+                                    "check the pair alone: eagle3 doctor --model T --draft D"))
         return
     live = phase.stats.tau
     shape = f"tree top_k {probe.top_k}, depth {probe.depth}, {probe.num_draft_tokens} tokens"
@@ -422,7 +422,7 @@ def measure(ep: Endpoint, model: Optional[str], s: ServerSettings, report: Docto
     report.checks.append(passed("server.reach", f"{ep.url} serves {info.models}"))
     served = model or (info.models[0] if info.models else None)
     if served is None:
-        raise ServerError("server.api", f"{ep.url}/v1/models lists no model", "pass --model NAME")
+        raise ServerError("server.api", f"{ep.url}/v1/models lists no model", "pass --served-model-name NAME")
     engine = (f"{info.label}" + (f" ({info.info_route})" if info.info_route else "") +
               ("" if info.has_metrics else "; no /metrics" +
                (f" (SGLang: {info.engine.metrics_flag})" if info.engine and

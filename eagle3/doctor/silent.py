@@ -149,7 +149,7 @@ def check_quantization(engine: str, flag: str, value: Optional[str]) -> list[Che
         return []
     return [field_check(name, "warn", flag, value, "the precision the draft was trained in",
                         f"the draft is served quantized ({value}): a quantized draft has accepted "
-                        "nothing with no error", "run eagle3 doctor with --draft and --target on this "
+                        "nothing with no error", "run eagle3 doctor with --draft and --model on this "
                         "line: its probe runs the draft rounded to FP8 against the unquantized one; "
                         f"drop {flag} if it collapses")]
 

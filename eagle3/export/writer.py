@@ -8,11 +8,9 @@ launch notes say what each engine will capture from the directory it is given.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple, Optional
@@ -20,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..engines import LLAMA_CPP, SGLANG, VLLM, EngineFacts, describe, engine_reading
-from ..errors import Eagle3Error, InputError, LoadError
+from ..errors import InputError, LoadError
 from ..models.config import ModelConfig
 from ..models.target import TargetFacts
 from ..draft import template
@@ -196,25 +194,6 @@ def launch_lines(draft_dir: str | Path, target_path: str | Path, *, num_steps: i
     return LaunchLines(sglang, vllm, lcpp, tuple(notes))
 
 
-# ---------------------------------------------------------------------------- CLI
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="eagle3 export", description=(
-        "Export a draft to SpecForge/SGLang and vLLM speculators layouts (each read back and checked), "
-        "then print launch commands for SGLang, vLLM and llama.cpp."))
-    p.add_argument("--draft", required=True, help="draft directory (any readable layout)")
-    p.add_argument("--out", required=True, help="output directory")
-    p.add_argument("--target", default=None, help="target: HF dir or .gguf (default: packaged SmolLM2)")
-    p.add_argument("--format", default="all", choices=["all", "specforge", "speculators", "eagle"],
-                   help="all = specforge (SGLang, llama.cpp) + speculators (vLLM) in subdirectories")
-    p.add_argument("--algorithm", default=None, help="EAGLE3 or EAGLE; must match the checkpoint")
-    p.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: keep the draft's")
-    p.add_argument("--num-steps", type=int, default=5)
-    p.add_argument("--topk", type=int, default=4)
-    p.add_argument("--num-draft-tokens", type=int, default=8)
-    p.add_argument("--llama-cpp", default="llama.cpp", help="llama.cpp checkout (for convert_hf_to_gguf.py)")
-    return p.parse_args(argv)
-
-
 class ExportTarget(NamedTuple):
     config: ModelConfig
     path: str                   # the HF directory (named in the speculators layout and launch lines)
@@ -225,22 +204,6 @@ def resolve_target(spec: Optional[str]) -> ExportTarget:
     from ..runtime.loader import resolve_model
     src = resolve_model(spec)
     return ExportTarget(ModelConfig.from_hf(read_hf_config(src.hf_dir)), str(src.hf_dir), src.gguf)
-
-
-def run_export(args: argparse.Namespace, target: ExportTarget) -> list[ExportResult]:
-    dtype = DTYPES.get(args.dtype) if args.dtype else None
-    draft, info = load_draft(args.draft, target.config, algorithm=args.algorithm,
-                             dtype=dtype or torch.float32)
-    fmts = ["specforge", "speculators"] if args.format == "all" else [args.format]
-    if info.algorithm == "eagle" and args.format == "all":
-        fmts = ["eagle"]
-    out = Path(args.out)
-    results = [export_draft(draft, out / f if len(fmts) > 1 else out, f, target.config,
-                            target_path=target.path, speculative_tokens=args.num_steps, dtype=dtype)
-               for f in fmts]
-    for r in results:
-        record_template(Path(args.draft), r.path, target.path)
-    return results
 
 
 def record_template(source: Path, out: Path, target_path: str) -> None:
@@ -261,30 +224,3 @@ def read_json_dir(path: Path) -> Optional[dict]:
         return json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return None
-
-
-def report(results: list[ExportResult], args: argparse.Namespace, target: ExportTarget) -> str:
-    info = results[0].info
-    lines = [f"draft: {args.draft} ({info.algorithm.upper()}) -> {args.out}"]
-    lines += [f"  wrote {r.format:<11} {r.path} (read back and compared)" for r in results]
-    if info.algorithm == "eagle3":
-        lines += [f"  layer ids, {k}: {v}" for k, v in engine_layer_ids(info.aux_layer_ids).items()]
-    by_fmt = {r.format: r.path for r in results}
-    main_dir = by_fmt.get("specforge", results[0].path)
-    launch = launch_lines(main_dir, target.path, num_steps=args.num_steps, topk=args.topk,
-                          num_draft_tokens=args.num_draft_tokens, target_gguf=target.gguf,
-                          llama_cpp=args.llama_cpp, vllm_draft_dir=by_fmt.get("speculators"))
-    return "\n".join(lines) + "\n\n" + launch.text()
-
-
-def export_main(argv: list[str]) -> int:
-    """`eagle3 export`: returns 0 on success, 2 with a one-paragraph error otherwise."""
-    args = parse_args(argv)
-    try:
-        target = resolve_target(args.target)
-        results = run_export(args, target)
-        print(report(results, args, target))
-    except Eagle3Error as e:
-        print(f"eagle3 export: error: {e}", file=sys.stderr)
-        return 2
-    return 0
