@@ -18,7 +18,8 @@ DELEGATED = {  # subcommand -> (module, function, help)
     "train": ("eagle3.train", "train_main", "train an EAGLE-3 draft for a target"),
     "export": ("eagle3.export.cli", "export_main", "export a draft for SGLang / vLLM / llama.cpp"),
     "doctor": ("eagle3.doctor.cli", "doctor_main", "check a target/draft pair or a launch line"),
-    "bench": ("eagle3.bench", "bench_main", "benchmark against HF transformers and llama.cpp"),
+    "bench": ("eagle3.bench.cli", "bench_main", "benchmark against HF transformers and llama.cpp; "
+              "`bench serve`: the server under concurrent clients"),
 }
 
 

@@ -2,7 +2,6 @@
 (test_batch_forward.py: the slotted cache and the batched forward below them)."""
 from __future__ import annotations
 
-import sys
 import threading
 import time
 
@@ -491,17 +490,10 @@ def test_a_cancelled_solo_request_frees_its_slot(solo_engines, one_thread):
 
 
 def test_serving_bench_measures_streamed_requests(served_target):
-    """scripts/bench_serving.py's clients and statistics against the batched app in-process:
+    """`eagle3 bench serve`'s clients and statistics against the batched app in-process:
     every request streams its tokens, the figures come from the timings (2 clients x 6 tokens)."""
-    import importlib.util
-    from pathlib import Path
-
+    import eagle3.bench.serving as bench
     from serve_fixtures import RunningServer
-    path = Path(__file__).resolve().parent.parent / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = bench          # its dataclasses look their module up
-    spec.loader.exec_module(bench)
     prompts = ["Name a colour.", "Count to three.", "Say hello."]
     with RunningServer(batched_app(served_target, max_batch=2, name=bench.MODEL_NAME)) as s:
         timings, wall = asyncio_run(bench.run_clients(s.url, prompts, 2, 6, 1.0))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3.bench import config_from, parse_args, workload_text
+from eagle3.bench.cli import config_from, parse_args, workload_text
 from eagle3.bench.llamacpp import CompletionOutput, SpecSimpleOutput, sampler_kwargs
 from eagle3.bench.report import (identities, save_json, save_plots, summarize, table,
                                  tree_vs_chain_text)
@@ -463,3 +463,14 @@ def test_a_llama_cpp_binding_that_crashes_is_skipped_with_the_rebuild(monkeypatc
     monkeypatch.setattr(llamacpp.importlib.util, "find_spec", lambda name: object())
     systems, skipped = llamacpp.build_binding(gguf, 2, 64, 10)
     assert systems == [] and skipped == [("llama.cpp", "crashed"), ("llama.cpp-prompt-lookup", "crashed")]
+
+
+def test_bench_serve_is_the_serving_bench_with_the_products_defaults(tmp_path):
+    """`eagle3 bench serve`: the server's own weights default (GGUF codes), --max-batch 16, output
+    under runs/; the bench command reaches it."""
+    from eagle3.bench.cli import bench_main
+    from eagle3.bench.serving import parse_args
+    args = parse_args([])
+    assert (args.weights, args.max_batch, args.out.parts[0]) == ("auto", [16], "runs")
+    with pytest.raises(SystemExit, match="unknown"):
+        bench_main(["serve", "--systems", "ours,sglang", "--out", str(tmp_path)])

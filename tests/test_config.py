@@ -59,7 +59,7 @@ def test_the_command_line_builds_it_in_one_place(monkeypatch):
 
 
 def test_serve_and_bench_take_the_same_flags():
-    from eagle3.bench import config_from, parse_args
+    from eagle3.bench.cli import config_from, parse_args
     from eagle3.serve.cli import build_parser
     from eagle3.cli_args import run_config_from_args
     flags = ["--weights", "gguf-exact", "--draft-weights", "fp32", "--threads", "1", "--device", "cpu"]

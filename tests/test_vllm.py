@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3.bench import config_from, parse_args
+from eagle3.bench.cli import config_from, parse_args
 from eagle3.bench.report import identities
 from eagle3.bench.stats import Record
 from eagle3.bench.systems import GenParams
@@ -268,12 +268,7 @@ def test_the_serving_bench_starts_vllms_server_as_the_bench_child(tmp_path):
 
 
 def test_the_serving_bench_skips_vllm_without_its_venv_and_names_the_install(tmp_path):
-    import importlib.util
-    path = ROOT / "scripts" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving_vllm", path)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving_vllm"] = bench
-    spec.loader.exec_module(bench)
+    import eagle3.bench.serving as bench
     args = bench.parse_args(["--systems", "ours,vllm", "--vllm-python", str(tmp_path / "none" / "python"),
                              "--out", str(tmp_path)])
     why = bench.vllm_missing(args)
