@@ -187,6 +187,7 @@ class AdaptivePolicy:
     probe_share: float = PROBE_SHARE           # 0: probe intervals ignore what a probe loses
     max_quiet_every: int = MAX_QUIET_EVERY
     draft_probe_every: int = DRAFT_PROBE_EVERY  # 0: no drafted step is forced
+    spec_margin: float = SPEC_MARGIN           # a speculative arm must beat plain by this share
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
     steps: int = 0
@@ -280,7 +281,7 @@ class AdaptivePolicy:
         SPEC_MARGIN where plain decoding may be chosen (so it is taken only where it beats plain
         by that margin; the rolling averages keep one lucky step from switching)."""
         rate = self.rate(arm)
-        return rate if arm == PLAIN or not self.allow_plain else rate / (1.0 + SPEC_MARGIN)
+        return rate if arm == PLAIN or not self.allow_plain else rate / (1.0 + self.spec_margin)
 
     def quiet_steps(self, probe: Arm, best: Arm) -> int:
         """Steps of `best` over which a probe of `probe` loses at most probe_share of the time (at
