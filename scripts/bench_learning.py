@@ -255,6 +255,45 @@ def default_step(model, draft, prompts: list[str], max_new: int, threads: int) -
     return {"tok_s": round(tokens / secs, 1), "tau": round(tokens / max(steps, 1), 3), "outputs": outs}
 
 
+def speed_phase(args, out: Path, held: list[str]) -> dict:
+    """The default step against plain decoding, the two alternated prompt by prompt (load on a
+    shared machine moves both alike), T=0, greedy outputs compared."""
+    import torch
+    from eagle3.api import load_engine
+    from eagle3.config import RunConfig
+    from eagle3.generate import SamplingParams
+    torch.set_num_threads(args.threads)
+    held = held[:args.eval_prompts]
+    results = json.loads((out / "results.json").read_text())
+    speed = results.setdefault("speed", {})
+    params = SamplingParams(temperature=0.0, max_new_tokens=args.eval_tokens)
+    plain = load_engine(args.model, "none", config=RunConfig(threads=args.threads))
+    found = version_dirs(out / "learn")
+    for name, draft in found.items():
+        if name in speed:
+            continue
+        spec = load_engine(args.model, draft or "suffix", config=RunConfig(threads=args.threads))
+        spec.generate(held[0], SamplingParams(temperature=0.0, max_new_tokens=16))
+        t = {"plain": 0.0, "spec": 0.0}
+        n = {"plain": 0, "spec": 0}
+        same = 0
+        for p in held:
+            outs = {}
+            for key, engine in (("plain", plain), ("spec", spec)):
+                t0 = time.perf_counter()
+                res = engine.generate(p, params)
+                t[key] += time.perf_counter() - t0
+                n[key] += len(res.token_ids)
+                outs[key] = list(res.token_ids)
+            same += outs["plain"] == outs["spec"]
+        speed[name] = {"plain_tok_s": round(n["plain"] / t["plain"], 1), "default_tok_s": round(n["spec"] / t["spec"], 1),
+                       "vs_plain": round((n["spec"] / t["spec"]) / (n["plain"] / t["plain"]), 3),
+                       "identical": same, "of": len(held)}
+        (out / "results.json").write_text(json.dumps(results))
+        print(name, speed[name], flush=True)
+    return speed
+
+
 def eval_phase(args, out: Path, held: list[str]) -> dict:
     import torch
     from scripts_measure import first_turns
@@ -290,12 +329,43 @@ def eval_phase(args, out: Path, held: list[str]) -> dict:
     return results
 
 
+def requests_learned(out: Path, name: str) -> int:
+    """Requests a version trained on: 0 for v0, N for prefix-N, else its rounds' training shards'."""
+    from eagle3.learn.learner import read_state
+    from eagle3.learn.traffic import read_shard
+    if name == "v0":
+        return 0
+    if name.startswith("prefix-"):
+        return int(name.split("-")[1])
+    learn = out / "learn"
+    return sum(len(read_shard(learn / "traffic" / n).records) for n in read_state(learn)["trained"]
+               if (learn / "traffic" / n).is_file())
+
+
+def plot(out: Path, results: dict) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    pts = sorted((requests_learned(out, n), r["eagle_tau_heldout"], r.get("mtbench_tau"))
+                 for n, r in results.items() if n not in ("plain", "speed") and "eagle_tau_heldout" in r)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="held-out requests of the stream")
+    ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", label="MT-bench")
+    ax.set_xlabel("requests learned")
+    ax.set_ylabel("EAGLE-only tau (tree 4/5/8, T=0)")
+    ax.legend()
+    fig.tight_layout()
+    path = out / "tau_vs_requests.png"
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def table(results: dict) -> str:
     rows = ["| version | EAGLE-only tau, held-out | default step vs plain (tok/s) | greedy identical | MT-bench tau |",
             "|---|---|---|---|---|"]
     plain = results.get("plain", {}).get("tok_s")
     for name, r in results.items():
-        if name == "plain":
+        if name in ("plain", "speed"):
             continue
         rows.append(f"| {name} | {r.get('eagle_tau_heldout', '-')} | {r['vs_plain']}x ({r['default_tok_s']} vs {plain}) "
                     f"| {r['identical']}/{r['of']} | {r.get('mtbench_tau', '-')} |")
@@ -306,7 +376,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stream", default="code")
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--phase", choices=["all", "prompts", "serve", "prefixes", "eval"], default="all")
+    ap.add_argument("--phase", choices=["all", "prompts", "serve", "prefixes", "eval", "speed"], default="all")
     ap.add_argument("--prefixes", default="", help="with --phase prefixes: request counts, e.g. 50,100")
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft", default=None)
@@ -336,8 +406,12 @@ def main(argv=None) -> int:
         serve_phase(args, args.out, prompts["learn"])
     if args.phase == "prefixes":
         prefix_phase(args, args.out, [int(x) for x in args.prefixes.split(",") if x])
+    if args.phase == "speed":
+        speed_phase(args, args.out, prompts["heldout"])
     if args.phase in ("all", "eval"):
-        print(table(eval_phase(args, args.out, prompts["heldout"])))
+        results = eval_phase(args, args.out, prompts["heldout"])
+        print(table(results))
+        print("plot:", plot(args.out, results))
     return 0
 
 
