@@ -66,7 +66,7 @@ VARIABLES: dict[str, Variable] = {v.name: v for v in (
     Variable("EAGLE3_VLLM_PYTHON", "", "python of the vLLM venv for the bench's vLLM peers (unset: "
              ".venv-vllm/bin/python in the repository root)",
              ("eagle3.bench.vllm_peer", "tools/vllm_interop.py", "tools/vllm_specconfig_check.py",
-              "scripts/bench_serving.py", "scripts/cache_features.py", "tools/vllm_features_check.py")),
+              "eagle3.bench.serving", "scripts/cache_features.py", "tools/vllm_features_check.py")),
     Variable("EAGLE3_LLAMA_CPP", "", "llama.cpp build for the bench's llama.cpp-eagle3 peer (unset: "
              "~/.cache/eagle3/llama.cpp)", ("eagle3.bench.llamacpp", "scripts/build_llama_cpp.sh")),
     Variable("EAGLE3_VLLM_VENV", "", "where scripts/vllm_env.sh makes the vLLM venv (unset: "
