@@ -43,7 +43,8 @@ def tune(environ: Mapping[str, str] = os.environ) -> str:
         libc = _glibc()
         if libc is None:
             _STATE = "the C library's defaults (not glibc)"
-        elif libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1:
+        elif (libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+              and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1):
             _STATE = (f"glibc, heap below {MMAP_THRESHOLD >> 20} MiB, {TRIM_THRESHOLD >> 20} MiB kept "
                       "(eagle3 default; EAGLE3_MALLOC=0 for glibc's)")
         else:

@@ -16,8 +16,8 @@ from eagle3.speculative import decoder as decoder_module
 from eagle3.speculative.decoder import SUFFIX_MAX_FACTOR, SpecDecoder
 from eagle3.speculative.policy import PLAIN, SUFFIX_ONLY, AdaptivePolicy, name_of
 from eagle3.speculative.tree import SpecParams
-from spec_helpers import (assert_caches_equal_one_pass, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
-                          plain_greedy, tiny_draft, tiny_target)
+from spec_helpers import (assert_caches_equal_one_pass, StubTokenizer, chi_square_p, oracle_draft, plain_greedy,
+                          tiny_draft, tiny_target)
 from test_spec_engine import exact_joint
 
 pytestmark = pytest.mark.usefixtures("one_thread")

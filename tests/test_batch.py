@@ -101,7 +101,8 @@ def test_a_prompt_that_starts_like_an_earlier_one_prefills_only_the_rest(alone, 
              sched.add(shared[:PREFIX_MIN - 1] + prompt(5, seed=44), SamplingParams(max_new_tokens=4))]
     rows = []
     real = sched.target.forward_rows
-    sched.target.forward_rows = lambda ids, plan, cache, *a, **kw: (rows.append(int(ids.numel())), real(ids, plan, cache, *a, **kw))[1]
+    sched.target.forward_rows = lambda ids, plan, cache, *a, **kw: (rows.append(int(ids.numel())),
+                                                                    real(ids, plan, cache, *a, **kw))[1]
     try:
         chunks.update(drain(sched))
     finally:

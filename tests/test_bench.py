@@ -25,9 +25,8 @@ from eagle3.bench.workload import (COPY_CATEGORIES, BenchPrompt, Question, load_
 from eagle3.config import RunConfig
 from eagle3.errors import InputError
 from eagle3.runtime.target import build_target
-from eagle3.generate import Engine
 from eagle3.speculative.tree import SpecParams
-from spec_helpers import StubTokenizer, one_thread, tiny_draft, tiny_target  # noqa: F401
+from spec_helpers import StubTokenizer, tiny_draft, tiny_target
 
 STOP = 2
 
@@ -250,7 +249,7 @@ def tiny_setup(systems, prompts) -> Setup:
 
 
 @pytest.fixture
-def harness(one_thread):  # noqa: F811
+def harness(one_thread):
     target = tiny_target(vocab=32)
     systems = build_ours(target, tiny_draft(target), StubTokenizer(), 64,
                          {"ours-chain3": SpecParams.chain(3), "ours-tree": SpecParams(3, 3, 6, 0.0)})
@@ -340,7 +339,7 @@ def test_tune_ranks_shapes(harness):
     assert "best on this machine" in tune_text(rows)
 
 
-def test_roofline_counts_what_a_forward_reads(one_thread):  # noqa: F811
+def test_roofline_counts_what_a_forward_reads(one_thread):
     tied = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
     tied[1].weight = tied[0].weight
     assert read_bytes_per_forward(tied) == 10 * 4 * 4           # the embedding reads one row
@@ -383,7 +382,7 @@ class Ticks:
         return self.now
 
 
-def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):  # noqa: F811
+def test_roofline_bound_from_hand_counted_bytes_and_a_ticking_clock(one_thread):
     shape = dict(vocab=48, hidden=32, intermediate=80, layers=3)
     for dtype, gemm_bytes in ((torch.float32, 4), (torch.bfloat16, 2)):
         target = build_target(tiny_target(**shape), dtype)           # fused qkv / gate_up, packed

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from eagle3 import kernels
-from eagle3.runtime.backend import STABLE_ROWS, choose_backend
+from eagle3.runtime.backend import choose_backend
 from eagle3.runtime.linear import PackedLinear
 from eagle3.speculative.tree import MAX_DRAFT_TOKENS
-from spec_helpers import one_thread  # noqa: F401  (fixture)
 
 needs = pytest.mark.skipif(kernels.small_linear(torch.float32) is None,
                            reason=f"small-M kernels not available here: {kernels.why()}")
@@ -92,7 +91,7 @@ def test_packed_linear_uses_the_kernel_for_small_blocks_only():
 
 
 @needs_bf16
-def test_a_row_stable_target_verifies_the_largest_admitted_block_like_decoding(one_thread):  # noqa: F811
+def test_a_row_stable_target_verifies_the_largest_admitted_block_like_decoding(one_thread):
     """Every verify block SpecParams admits stays on the row-stable path: a chain of the largest
     admitted size verified in one forward by a bf16 row-stable target (as load_engine packs it)
     gives each row's logits bit for bit as decoding it. (An fp32 target matched here even past
@@ -200,7 +199,8 @@ def test_a_block_of_query_rows_in_one_pass_gives_each_row_its_bits_alone(heads, 
     _, attn = kernels.fused_ops()
     g = torch.Generator().manual_seed(rows)
     S = 150
-    k_buf, v_buf = torch.randn(1, kv_heads, S + 9, head_dim, generator=g), torch.randn(1, kv_heads, S + 9, head_dim, generator=g)
+    k_buf = torch.randn(1, kv_heads, S + 9, head_dim, generator=g)
+    v_buf = torch.randn(1, kv_heads, S + 9, head_dim, generator=g)
     k, v = k_buf[:, :, :S], v_buf[:, :, :S]
     q = torch.randn(1, heads, rows, head_dim, generator=g) * 3
     tree = torch.ones(1, 1, rows, S, dtype=torch.bool)       # the context, then a random tree block
@@ -541,7 +541,8 @@ def test_fused_attention_gives_zeros_for_a_row_that_may_attend_to_nothing():
 def test_kernels_name_a_wrong_device_or_dtype():
     _, attn = kernels.fused_ops()
     q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 4, 16)
-    with pytest.raises(RuntimeError, match="the kv cache must be fp32 or fp16 .keys and values alike., got keys Double"):
+    with pytest.raises(RuntimeError,
+                       match="the kv cache must be fp32 or fp16 .keys and values alike., got keys Double"):
         attn(q, k.double(), k, None)
     with pytest.raises(RuntimeError, match="not a multiple of kv heads 0"):
         attn(q, k[:, :0], k[:, :0], None)

@@ -12,7 +12,7 @@ from eagle3.sampling import SamplingParams, target_probs
 from eagle3.speculative.merge import BOTH, DRAFT, SUFFIX, merge_suffix
 from eagle3.speculative.tree import build_tree
 from eagle3.speculative.verify import verify_sampled
-from spec_helpers import chi_square_p, one_thread  # noqa: F401  (fixture)
+from spec_helpers import chi_square_p
 
 #        0 (root, token 7)
 #      1 (tok 1)    2 (tok 2)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from eagle3.errors import InputError
 from eagle3.generate import Engine, SamplingParams

@@ -33,7 +33,8 @@ def test_switches_keep_their_old_meaning():
     assert settings.enabled("EAGLE3_KERNELS", {}) and settings.enabled("EAGLE3_KERNELS", {"EAGLE3_KERNELS": ""})
     assert not settings.enabled("EAGLE3_KERNELS", {"EAGLE3_KERNELS": "0"})
     assert settings.enabled("EAGLE3_AMX", {"EAGLE3_AMX": "yes"})
-    assert not settings.enabled("EAGLE3_REMEASURE", {}) and settings.enabled("EAGLE3_REMEASURE", {"EAGLE3_REMEASURE": "1"})
+    assert not settings.enabled("EAGLE3_REMEASURE", {})
+    assert settings.enabled("EAGLE3_REMEASURE", {"EAGLE3_REMEASURE": "1"})
     assert settings.env("EAGLE3_CACHE", {}) == "" and settings.env("EAGLE3_CACHE", {"EAGLE3_CACHE": "/x"}) == "/x"
 
 

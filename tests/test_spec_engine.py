@@ -14,8 +14,8 @@ from eagle3.models.layers import tree_block_mask
 from eagle3.speculative.decoder import SpecDecoder
 from eagle3.speculative.monitor import AcceptanceMonitor
 from eagle3.speculative.tree import SpecParams, build_tree
-from spec_helpers import (OracleLayout, StubTokenizer, chi_square_p, one_thread, oracle_draft,  # noqa: F401
-                          plain_greedy, spec_engine, tiny_draft, tiny_target)
+from spec_helpers import (OracleLayout, StubTokenizer, chi_square_p, oracle_draft, plain_greedy, spec_engine,
+                          tiny_draft, tiny_target)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -12,8 +12,8 @@ from eagle3.errors import InputError
 from eagle3.generate import SamplingParams
 from eagle3.speculative.decoder import SpecDecoder
 from eagle3.speculative.tree import SpecParams
-from spec_helpers import (assert_caches_equal_one_pass, chi_square_p, one_thread, oracle_draft, plain_greedy,  # noqa: F401
-                          spec_engine, tiny_draft, tiny_target)
+from spec_helpers import (assert_caches_equal_one_pass, chi_square_p, oracle_draft, plain_greedy, spec_engine,
+                          tiny_draft, tiny_target)
 from test_spec_engine import exact_joint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -214,7 +214,8 @@ def test_load_engine_speculates_without_a_draft_where_none_is_shipped(monkeypatc
     REF = RunConfig(weights=REFERENCE, draft_weights=REFERENCE)    # no layout to build
     tiny = tiny_target(2, vocab=8)
     monkeypatch.setattr(api, "load_target", lambda model, dev, dtype: (tiny, StubTokenizer()))
-    monkeypatch.setattr(api, "adaptive_policy", lambda target, draft, **kw: (lambda greedy=True: draftless_policy(greedy)))
+    monkeypatch.setattr(api, "adaptive_policy",
+                        lambda target, draft, **kw: (lambda greedy=True: draftless_policy(greedy)))
     assert api.load_engine("some-model", config=REF).speculative
     assert api.load_engine("some-model", draft="suffix", config=REF).speculative
     assert not api.load_engine("some-model", draft="none", config=REF).speculative

@@ -14,7 +14,7 @@ from eagle3.train.objectives import (OBJECTIVES, ObjectiveConfig, aligned, kl, l
                                      soft_ce, topk_ce)
 from eagle3.train.pipeline import train
 from eagle3.train.tiny import tiny_draft, tiny_target
-from eagle3.train.ttt import TTTConfig, TTTModel, align, shift_left
+from eagle3.train.ttt import TTTConfig, TTTModel, align
 
 from test_train_recipes import BASE, trained
 from test_train_ttt import make_batch
@@ -161,7 +161,8 @@ def test_griffin_drops_rows_after_a_misaligned_step_as_defined(target, k_top):
 def test_griffin_with_every_token_in_the_top_k_is_the_plain_loss(target):
     draft, batch = tiny_draft(target), make_batch(target)
     vd = draft.lm_head.weight.shape[0]
-    wide = TTTModel(draft, target.lm_head.weight, TTTConfig(num_steps=3, objective=ObjectiveConfig("griffin", griffin_topk=vd)))
+    griffin = ObjectiveConfig("griffin", griffin_topk=vd)
+    wide = TTTModel(draft, target.lm_head.weight, TTTConfig(num_steps=3, objective=griffin))
     plain = TTTModel(draft, target.lm_head.weight, TTTConfig(num_steps=3))
     torch.testing.assert_close(wide(batch).step_loss, plain(batch).step_loss)
 

@@ -18,7 +18,7 @@ from eagle3.train.features import Sample
 from eagle3.train.pipeline import DataPart, init_layer_from, make_draft, train
 from eagle3.train.store import PartKey, StorePart, build_part, target_fingerprint
 from eagle3.train.tiny import tiny_target
-from eagle3.train.trainer import load_checkpoint, lr_at, make_optimizer, total_steps
+from eagle3.train.trainer import load_checkpoint, lr_at, make_optimizer
 from eagle3.train.ttt import TTTConfig, TTTModel, align, shift_left
 from eagle3.train.vocab import DraftVocab
 
@@ -157,7 +157,6 @@ def test_init_layer_from_copies_the_target_layer(target, samples, tmp_path):
 
 
 def test_feature_noise_only_in_training_and_resumes_exactly(target, samples, tmp_path):
-    from eagle3.train.features import FeatureSource
     from eagle3.train.tiny import tiny_draft
     draft = tiny_draft(target)
     batch = make_batch(target)
@@ -196,7 +195,8 @@ def test_muon_on_fc_and_midlayer_matrices_and_resume(target, samples, tmp_path):
         make_optimizer(model, replace(cfg, fc_precondition=True))
 
 
-@pytest.mark.parametrize("item,words", [("schedule=step", "schedule='step'"), ("optimizer=sgd", "choose one of adamw, muon"),
+@pytest.mark.parametrize("item,words", [("schedule=step", "schedule='step'"),
+                                        ("optimizer=sgd", "choose one of adamw, muon"),
                                         ("features=cache", "choose one of store, online"),
                                         ("feature_noise=-0.1", ">= 0"), ("draft_layers=0", ">= 1"),
                                         ("max_tokens=0", "budget > 0")])

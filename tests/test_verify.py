@@ -7,7 +7,7 @@ import torch
 from eagle3.sampling import SamplingParams, target_probs
 from eagle3.speculative.tree import build_tree
 from eagle3.speculative.verify import verify_greedy, verify_sampled
-from spec_helpers import chi_square_p, hf_probs, one_thread  # noqa: F401  (fixture)
+from spec_helpers import chi_square_p, hf_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,7 +159,7 @@ def test_sample_rows_maps_a_draw_at_the_total_to_the_last_nonzero_weight(monkeyp
 
 
 def test_plain_sampling_follows_the_processed_distribution():
-    from eagle3.sampling import SamplingParams, sample_next, target_probs
+    from eagle3.sampling import SamplingParams, sample_next
     logits = torch.randn(40, generator=torch.Generator().manual_seed(4)) * 2
     params = SamplingParams(temperature=0.8, top_k=12, top_p=0.9)
     gen = torch.Generator().manual_seed(5)

@@ -17,7 +17,8 @@ like the training data (`eagle3.train.data.iter_json_array`; the file is truncat
    (recomputed here; its counts must equal the largest selection in copy_workload_training.json,
    which holds counts, not ids, else the script stops) nor among that file's conversation ids.
    (c) It shares no SIBLING_NGRAM-word n-gram with a kept prompt or that prompt's ShareGPT reply
-   from the same conversation (ids "<conversation>_<part>"). (d) No MT-bench overlap (exact or a shared 8-word n-gram, `eagle3.train.data.HeldOut`).
+   from the same conversation (ids "<conversation>_<part>"). (d) No MT-bench overlap (exact or a
+   shared 8-word n-gram, `eagle3.train.data.HeldOut`).
 3. A substantial given text: the prompt splits into an instruction and quoted material of at least
    MIN_MATERIAL_CHARS characters. Material = the contents of ``` fenced blocks when there are any;
    else the instruction is the first line (at most MAX_INSTRUCTION_CHARS characters, or the part up

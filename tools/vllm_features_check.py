@@ -57,9 +57,11 @@ def main(argv: list[str]) -> int:
                      dtype=args.dtype, enforce_eager=True, max_model_len=args.max_len + 16, chain_depth=1)
     t0 = time.time()
     capture_dir = args.out / f"captures-{args.dtype}"
-    files = read_index(capture_dir.resolve())[:len(samples)] if args.reuse else run_vllm_capture(s.python, child_env(s, "capture"), src.hf_dir, [x.ids.tolist() for x in samples],
-                             ids, capture_dir, dtype=args.dtype,
-                             max_model_len=s.max_model_len)
+    if args.reuse:
+        files = read_index(capture_dir.resolve())[:len(samples)]
+    else:
+        files = run_vllm_capture(s.python, child_env(s, "capture"), src.hf_dir, [x.ids.tolist() for x in samples],
+                                 ids, capture_dir, dtype=args.dtype, max_model_len=s.max_model_len)
     seconds = time.time() - t0
     names = [f"aux layer {i}" for i in aux_ids] + ["final normed hidden"]
     rows: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}

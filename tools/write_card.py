@@ -33,7 +33,8 @@ def eval_table(evals: list[dict]) -> list[str]:
 
 
 def tau_table(tau: dict) -> list[str]:
-    rows = [f"Measured with `{tau.get('command', 'scripts/measure_tau.py')}` ({tau['spec']}, CPU, the target on the engine's default weights):", "",
+    command = tau.get("command", "scripts/measure_tau.py")
+    rows = [f"Measured with `{command}` ({tau['spec']}, CPU, the target on the engine's default weights):", "",
             "| temperature | prompts | max new | tau | acceptance per draft position |", "|---|---|---|---|---|"]
     for r in tau["results"]:
         rows.append(f"| {r['temperature']} | {r['prompts']} | {tau.get('max_new_tokens', '')} | {r['tau']} | "

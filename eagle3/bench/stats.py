@@ -8,8 +8,6 @@ from typing import Optional, Sequence
 
 from ..speculative.step import acceptance_stats
 
-BASELINES = {"hf": "hf-generate", "plain": "ours-plain"}
-
 
 @dataclass
 class Record:

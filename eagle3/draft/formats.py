@@ -22,9 +22,9 @@ UnsupportedError naming the flag. `norm_output` means different things: SpecForg
 norm before lm_head (ours), false = no final norm; speculators default false, true = feed the post-norm
 hidden back across steps (Eagle 3.1). The Eagle 3.1 switches (`norm_before_fc`, speculators' `norm_output`)
 are read and written in the speculators and vLLM layouts, where vLLM >= 0.22 reads them (engines.py);
-their norm's weight is `input_norm.weight` there and `pre_fc_norm.weight` in our module. `norm_before_residual` defaults to false in the speculators library
-and llama.cpp but to TRUE in vLLM's speculators reader, so a speculators config without it is ambiguous
-and is rejected.
+their norm's weight is `input_norm.weight` there and `pre_fc_norm.weight` in our module.
+`norm_before_residual` defaults to false in the speculators library and llama.cpp but to TRUE in
+vLLM's speculators reader, so a speculators config without it is ambiguous and is rejected.
 
 Weights: model.safetensors (or a sharded index), else legacy pytorch_model.bin through
 torch.load(weights_only=True). Key mapping is strict: an unknown key, a missing key or a shape mismatch
@@ -60,7 +60,6 @@ from .contract import algorithm_mismatch_error, normalize_algorithm
 from ..models.layers import Rotary
 from .model import DraftBase, DraftConfig, build_draft
 
-FORMATS = tuple(LAYOUTS)
 WRITABLE_FORMATS = ("specforge", "speculators", "eagle")
 
 

@@ -16,8 +16,9 @@ Two sources: the suffix index (free to ask), and where the batch has an EAGLE-3 
 the draft's top-1 tokens (`DraftChain`: each request's slot of the pool's draft cache, fed the
 target's features of its tokens from the batch's forwards; `DraftPool` drafts every asked chain
 together: one forward over their waiting rows, then one a token over the chains still going,
-each chain charged what its rows add to those forwards, `DraftSpend`). Which chains run (`ChainPlanner`): the machine's cost table (runtime.costs: ms
-of a target forward by rows, of a draft forward by rows) against each source's rolling acceptance.
+each chain charged what its rows add to those forwards, `DraftSpend`). Which chains run
+(`ChainPlanner`): the machine's cost table (runtime.costs: ms of a target forward by rows, of a
+draft forward by rows) against each source's rolling acceptance.
 A step decoding B requests (a token each, in cost(B) ms of their rows alone) over N rows takes a
 chain of k rows when (B + E(k)) / (cost(B) + cost(N + k) - cost(N) + its draft ms) beats
 B / cost(B) by PAY_MARGIN, with E(k) = a + a^2 + ... + a^k for the source's per-token acceptance

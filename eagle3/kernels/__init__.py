@@ -19,7 +19,6 @@ are built (cache key, temp-dir fallback, ninja, the build lock): kernels/build.p
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional

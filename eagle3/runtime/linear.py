@@ -68,7 +68,8 @@ class PackedLinear:
                 weight.contiguous().to(self.weight_dtype), PACK_ROWS_HINT)
         # [in, out] fp32 GEMV for one-row calls on one thread (and CPUs without oneDNN)
         self.weight_t = None
-        if backend.name != "torch" and self.weight_dtype == torch.float32 and not (self.small and self.onednn is not None):
+        small_on_onednn = self.small and self.onednn is not None
+        if backend.name != "torch" and self.weight_dtype == torch.float32 and not small_on_onednn:
             self.weight_t = weight.t().contiguous()
 
     def _dtype_kernel(self):

@@ -144,7 +144,6 @@ def _q6_k(b: np.ndarray):
 
 
 UNPACK = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q8_0": _q8_0, "Q5_0": _q5_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
-KERNEL_TYPES = tuple(UNPACK)
 
 
 def unpack(ggml_type: str, raw: np.ndarray, out_features: int, in_features: int) -> QuantCodes:

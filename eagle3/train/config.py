@@ -32,7 +32,7 @@ class TrainConfig:
     # draft
     draft_vocab_size: int = 8192
     aux_layer_ids: Optional[tuple[int, ...]] = None   # "input to layer i"; None = 2, L//2, L-3
-    init_from: Optional[str] = None       # start from another run's checkpoint.pt or an exported draft (keeps its vocab)
+    init_from: Optional[str] = None       # start from a run's checkpoint.pt or an exported draft (keeps its vocab)
     fc_init_rms: Optional[float] = 1.0    # rescale the initial fc so fc(aux) has this median RMS (None: off)
     fc_precondition: bool = False         # AdamW on fc as if its inputs were scaled to unit RMS per dim
     # recipe switches (the draft-quality study; see docs/training.md)

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..models.layers import apply_rotary

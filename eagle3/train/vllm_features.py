@@ -35,7 +35,6 @@ from .features import Features, Sample, target_features
 from .vllm_rows import ROWS_FORMAT, split_rows
 
 CHILD_SCRIPT = Path(__file__).with_name("vllm_capture_child.py")
-EXAMPLE_CONNECTOR = {"name": "ExampleHiddenStatesConnector", "module_path": None}
 
 
 class Capture(NamedTuple):

@@ -194,7 +194,8 @@ def objective_means(rows: list[dict]) -> list[str]:
     lines = ["", f"Per objective, the mean over its seeds against kl's mean over the same seeds; kl's spread "
              f"(max - min) over its {len(kl)} seeds ({', '.join(map(str, sorted(kl)))}) is the noise: est. tau "
              f"{spread['est_tau']:.3f}, MT-bench T=0 {spread['tau0']:.3f}, T=1 {spread['tau1']:.3f}.", "",
-             "| objective | seeds | est. tau | vs kl | MT-bench T=0 | vs kl | T=1 | vs kl | paired T=0 / T=1 per seed |",
+             "| objective | seeds | est. tau | vs kl | MT-bench T=0 | vs kl | T=1 | vs kl "
+             "| paired T=0 / T=1 per seed |",
              "|---|---|---|---|---|---|---|---|---|"]
     wins = []
     for obj, by_seed in groups.items():

@@ -2,7 +2,8 @@
 order, same held-out conversations, same seed, all reading one offline feature store.
 
     nohup python studies/training-recipes/recipe_study.py --out runs/study --budget 150000 > runs/study/study.log 2>&1 &
-    python studies/training-recipes/recipe_study.py --out runs/study --report studies/training-recipes/recipe_study.md   # table only
+    python studies/training-recipes/recipe_study.py --out runs/study \
+        --report studies/training-recipes/recipe_study.md                       # table only
 
 Rows run in order, one process each (`python -m eagle3.train`), and resume: a finished row is kept, a
 stopped one continues from its checkpoint. The table reads each run's log: held-out accuracy per
