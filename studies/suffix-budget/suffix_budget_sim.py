@@ -11,9 +11,7 @@ decoding for each rule, over all steps and for the median prompt (decode only, n
 
     python studies/suffix-budget/suffix_budget_sim.py --prompts 40 --outputs /tmp/copy_outputs.json
 
-Measured 2026-12-02 (2-core Xeon, bf16, --costs "1:15.9,16:26.1,31:38.6,61:60.3"): fixed 15 nodes 2.58x,
-doubling after each block accepted whole (15..60) 2.63x, 2 x (accepted + 1) within 8..64 2.72x;
-falling back to a plain step when the match is shorter than 3 tokens 2.60x, than 4 tokens 2.46x.
+The rules' figures and what they decided: studies/suffix-budget/README.md.
 """
 from __future__ import annotations
 
