@@ -19,7 +19,7 @@ def parse_args(argv: list[str]) -> tuple[TrainConfig, argparse.Namespace]:
     ap = argparse.ArgumentParser(prog="eagle3 train", description=pipeline.__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", type=Path, help="TOML or JSON file with TrainConfig fields")
-    ap.add_argument("--target", help="target model (.gguf, HF dir, or 'smollm2')")
+    ap.add_argument("--model", "--target", dest="target", help="target model (.gguf, HF dir, or 'smollm2')")
     ap.add_argument("--out", help="run directory (data, features, checkpoint, log, exported draft)")
     ap.add_argument("--data", help="conversations.jsonl from the data step (default <out>/data/...)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
