@@ -112,13 +112,9 @@ def prepare_dir(args: argparse.Namespace, target, tokenizer) -> Path:
 
 
 def starting_draft(draft: str, model: Optional[str]) -> Optional[Path]:
-    if draft == "none":
-        return None
-    if draft == "default":
-        from ..runtime.assets import DEFAULT_MODEL
-        shipped = Path(__file__).resolve().parent.parent / "drafts" / "smollm2-135m-eagle3"
-        return shipped if model in (None, "", "default", DEFAULT_MODEL) else None
-    return Path(draft)
+    """The draft a learning directory starts from (draft.names: the one reading of draft names)."""
+    from ..draft.names import resolve_draft_name
+    return resolve_draft_name(draft, model).path
 
 
 def export_for_engines(root: Path, version: int, target) -> None:

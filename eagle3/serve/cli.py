@@ -41,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-tokens", type=int, default=PREFIX_CACHE_TOKENS,
                    help="prompt tokens whose k/v are kept for later prompts that start the same way "
                         f"(default {PREFIX_CACHE_TOKENS}; with --max-batch > 1 on a row-stable "
-                        "layout, the bf16 default; 0: off)")
+                        "layout, as every default precision is; 0: off)")
     p.add_argument("--max-model-len", type=int, default=2048,
                    help="context length: prompt + max_tokens (default 2048)")
     p.add_argument("--learn", default=None, metavar="DIR",
@@ -104,20 +104,20 @@ def serve_main(argv: Optional[Sequence[str]] = None) -> int:
 
 def draft_label(draft: Optional[str], model: Optional[str]) -> str:
     """The draft's path as /health names it (`default`: the shipped draft's)."""
-    from ..api import default_draft_path
-    return str(default_draft_path(model) if draft == "default" else draft)
+    from ..draft.names import DEFAULT_DRAFT_NAME, resolve_draft_name
+    return str(resolve_draft_name(draft, model).path if draft == DEFAULT_DRAFT_NAME else draft)
 
 
 def learn_controller(args: argparse.Namespace, engine):
     """The --learn controller, or None (logged) when DIR belongs to another target: the server
     then serves its draft without learning."""
     from pathlib import Path
-    from ..api import default_draft_path, load_draft_layout
+    from ..api import load_draft_layout
+    from ..draft.names import resolve_draft_name
     from ..learn import LearnController, LearnOptions, target_identity
     if args.learn_min_tokens < 1 or args.learn_max_bytes < 1:
         raise SystemExit("--learn-min-tokens and --learn-max-bytes must be >= 1")
-    served = (default_draft_path(args.model) if args.draft == "default" else
-              None if args.draft in (None, "", "none", "suffix") else Path(args.draft))
+    served = resolve_draft_name(args.draft, args.model).path
     extra = (["--model", args.model] if args.model else []) + (
         ["--replay", args.learn_replay] if args.learn_replay else [])
     opts = LearnOptions(Path(args.learn), args.learn_min_tokens, args.learn_max_bytes, tuple(extra))
