@@ -272,6 +272,18 @@ DRAFT_PARAMS = (SamplingParams(max_new_tokens=30, ignore_eos=True),
 CHEAP_DRAFT = lambda rows: 0.1 + 0.01 * rows       # noqa: E731
 
 
+def oracled_batch(oracle_for: int):
+    """The tiny row-stable target, each DRAFT_PROMPTS request's plain output, and an oracle draft
+    of request `oracle_for`'s: (model, target layout, outputs, draft)."""
+    from spec_helpers import oracle_draft
+    model = tiny_target(seed=4)
+    target = build_target(model, torch.bfloat16, row_stable=True)
+    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
+    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
+             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    return model, target, truth, oracle_draft(model, DRAFT_PROMPTS[oracle_for] + truth[oracle_for])
+
+
 @pytest.mark.lossless
 @pytest.mark.parametrize("oracle_for", [0, 1])
 def test_draft_chains_inside_the_batch_leave_outputs_as_plain(one_thread, oracle_for):
@@ -371,13 +383,7 @@ def test_a_request_back_from_the_solo_engine_keeps_its_draft_context(one_thread)
     draft's cache and waiting rows (token 0 on, not from the join), its draft chains keep being
     accepted in the batch, and every output is plain decoding's."""
     from eagle3.speculative.tree import SpecParams
-    from spec_helpers import oracle_draft
-    model = tiny_target(seed=4)
-    target = build_target(model, torch.bfloat16, row_stable=True)
-    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
-    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
-             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
-    draft = oracle_draft(model, DRAFT_PROMPTS[0] + truth[0])
+    model, target, truth, draft = oracled_batch(0)
     solo = Engine(target, StubTokenizer(), draft=draft, spec=SpecParams(2, 3, 6, 0.0), max_model_len=CTX)
     sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
                            solo=solo, chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT)
@@ -637,13 +643,7 @@ def test_speculation_switched_off_and_on_in_the_batch_stays_lossless(one_thread)
     ask for no guesses; back on, each draft chain starts over from its next token and its oracled
     request accepts draft tokens again. Every output is plain decoding's alone."""
     from eagle3.runtime.costs import CostTable, LiveCosts
-    from spec_helpers import oracle_draft
-    model = tiny_target(seed=4)
-    target = build_target(model, torch.bfloat16, row_stable=True)
-    plain = Engine(target, StubTokenizer(), max_model_len=CTX)
-    truth = [plain.generate(prompt_ids=p, params=q, speculative=False).token_ids
-             for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
-    draft = oracle_draft(model, DRAFT_PROMPTS[0] + truth[0])
+    model, target, truth, draft = oracled_batch(0)
     table = CostTable((1, 2, 4, 8), tuple(CHEAP_ROWS(r) for r in (1, 2, 4, 8)), (0.1,) * 4)
     sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
                            chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT,
