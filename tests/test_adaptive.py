@@ -36,6 +36,12 @@ class Scripted:
     suffix_only_tokens = 6
     suffix_only_min_match = 2
     probe_due = False
+    capture = (True,)            # draft_within at the i-th choice: capture the plain step's features
+    probing = False
+    stretch = (0,)               # plain_run after the i-th choice: plain steps run without asking
+
+    def plain_run(self, window):
+        return self.stretch[(self.i - 1) % len(self.stretch)]
 
     def __init__(self, script):
         self.script, self.i, self.taken = script, 0, []
@@ -46,6 +52,9 @@ class Scripted:
         arm = self.script[(self.i - 1) % len(self.script)]
         self.taken.append(PLAIN if arm == SUFFIX_ONLY and not suffix_ready else arm)
         return self.taken[-1]
+
+    def draft_within(self, steps):
+        return self.capture[self.i % len(self.capture)]
 
     def observe(self, arm, step, levels, wall_ms, timed=True):
         self.observed = getattr(self, "observed", []) + [(arm, levels, wall_ms)]
@@ -273,7 +282,7 @@ class OracleIndex:
     def extend(self, tokens) -> None:
         self.n += len(tokens)
 
-    def propose(self, max_tokens: int) -> list:
+    def propose(self, max_tokens: int, min_match: int = 0) -> list:
         from eagle3.speculative.suffix import SuffixCandidate
         rest = self.text[self.n:self.n + max_tokens]
         return [SuffixCandidate(rest, 16, 1)] if rest else []
@@ -358,3 +367,71 @@ def test_a_block_not_taken_is_judged_by_the_greedy_tokens(target, reference):
     grown = dec.suffix_only_budget(16)
     assert policy.shadows and all(s == (16, grown + 1, grown + 1) for s in policy.shadows)
     assert [dec.suffix_only_budget(m) for m in (2, 5)] == list(SHORT_MATCH_NODES)
+
+
+def test_plain_steps_far_from_a_drafted_step_capture_nothing(target, reference, monkeypatch):
+    """A plain step where the policy drafts in none of the next CATCH_UP_WINDOW steps runs the
+    target without capture and drops the draft's waiting rows; the draft restarts from the rows
+    captured after it, at their true positions. Greedy output stays plain decoding's."""
+    draft = oracle_draft(target, PROMPT + reference)
+    policy = Scripted((PLAIN,) * 4 + (SHAPES[2],) * 2)
+    policy.capture = (True, False, False, True, True, True)        # by choice: 1 and 2 far, 3 and 4 near
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    real, captured = dec.target, []
+    monkeypatch.setattr(dec, "target", lambda *a, **k: (captured.append(tuple(k.get("capture_ids", ()))),
+                                                        real(*a, **k))[1])
+    steps = [dec.prefill(PROMPT, MAX_NEW)]
+    while sum(len(s.tokens) for s in steps) < 30:
+        steps.append(dec.step())
+        waiting = sum(ids.numel() for ids, _ in dec.pending)
+        assert dec.draft_offset + dec.draft_cache.length + waiting == dec.cache.length
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == reference[:len(emitted)]
+    aux = tuple(draft.config.aux_layer_ids)
+    assert captured[1:5] == [(), (), aux, aux]                     # the four plain steps
+    assert policy.catch_ups[0][0] == 2                             # the rows of steps 3 and 4 alone
+    assert sum(s.accepted for s in steps if s.arm != PLAIN) > 0
+
+
+def test_a_shape_chosen_with_nothing_captured_runs_a_capturing_plain_step(target, reference):
+    """Nothing captured since the last restart (a leader changed where none was foreseen): the
+    step is a plain step that captures, and the next drafts from its row."""
+    draft = oracle_draft(target, PROMPT + reference)
+    policy = Scripted((PLAIN, SHAPES[2], SHAPES[2]))
+    policy.capture = (False,)
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    steps = [dec.prefill(PROMPT, MAX_NEW)] + [dec.step() for _ in range(3)]
+    assert [s.arm for s in steps[1:]] == [PLAIN, PLAIN, name_of(SHAPES[2])]
+    assert policy.catch_ups == [(1, policy.catch_ups[0][1])]
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == reference[:len(emitted)]
+
+
+def test_a_plain_stretch_runs_without_asking_until_the_suffix_index_offers(target, reference, monkeypatch):
+    """After a plain step the policy may promise a stretch of plain steps (plain_run): the decoder
+    runs them without asking it and without capturing, reports each, and leaves the stretch at the
+    first step where the suffix index offers a block. Greedy output stays plain decoding's."""
+    draft = oracle_draft(target, PROMPT + reference)
+    policy = Scripted((PLAIN, PLAIN, SHAPES[2]))
+    policy.stretch = (3, 0, 0)
+    dec = SpecDecoder(target, draft, target.new_cache(128), draft.new_cache(128), GREEDY,
+                      SHAPES[0], policy=policy)
+    real, captured = dec.target, []
+    monkeypatch.setattr(dec, "target", lambda *a, **k: (captured.append(bool(k.get("capture_ids"))),
+                                                        real(*a, **k))[1])
+    steps = [dec.prefill(PROMPT, MAX_NEW)]
+    monkeypatch.setattr(dec, "_suffix_offers", lambda: False)
+    steps += [dec.step() for _ in range(7)]
+    assert policy.i == 4 and [s.arm for s in steps[1:]] == [PLAIN] * 5 + [name_of(SHAPES[2]), PLAIN]
+    assert [a for a, _, _ in policy.observed] == [PLAIN] * 5 + [SHAPES[2], PLAIN]
+    assert captured[2:5] == [False] * 3                 # the stretch captures nothing
+    assert dec.plain_left == 3                          # the last plain step promised a new stretch
+    monkeypatch.setattr(dec, "_suffix_offers", lambda: True)
+    steps.append(dec.step())                            # an offer ends it: the policy is asked
+    assert policy.i == 5 and dec.plain_left == 0
+    while sum(len(s.tokens) for s in steps) < 30:
+        steps.append(dec.step())
+    emitted = [t for s in steps for t in s.tokens]
+    assert emitted == reference[:len(emitted)]

@@ -447,3 +447,48 @@ def test_a_losing_draft_is_still_asked_every_draft_probe_every_steps():
     free = drafted(AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=16, probe_share=0.001,
                                   draft_probe_every=0))
     assert max(b - a for a, b in zip(free, free[1:])) > 400
+
+
+def test_every_drafted_step_is_foreseen_a_window_ahead():
+    """draft_within(W) is True at every step W or fewer steps before a drafted one (a probe, a
+    forced draft step, a shape leading), so the plain steps before it capture the draft's rows;
+    on a long plain stretch it is False most of the time (those steps capture nothing)."""
+    window = 16
+    p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=64, probe_share=0.001,
+                       draft_probe_every=200)
+    foreseen, drafted = [], []
+    for i in range(3000):
+        foreseen.append(p.draft_within(window))
+        arm = p.choose()
+        if arm != PLAIN:
+            drafted.append(i)
+        feed(p, arm, 0, 7 if arm == TREE else 0, 5 if arm == TREE else 0)
+    assert len(drafted) >= 10
+    assert all(all(foreseen[j] for j in range(max(d - window, 0), d + 1)) for d in drafted)
+    assert foreseen.count(False) > 0.5 * len(foreseen)
+
+
+def test_a_plain_stretch_skips_only_choices_that_would_be_plain():
+    """plain_run(W) promises plain steps the policy would choose anyway: run with the stretches
+    (the decoder asks nothing inside one), the arms taken are step for step those of asking at
+    every step, and the stretches end W steps before each drafted step."""
+    window = 16
+
+    def run(stretches: bool):
+        p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=64, probe_share=0.001,
+                           draft_probe_every=200)
+        arms, left, asked = [], 0, 0
+        for _ in range(2000):
+            if left:
+                left, arm = left - 1, PLAIN
+            else:
+                arm, asked = p.choose(), asked + 1
+            arms.append(arm)
+            feed(p, arm, 0, 7 if arm == TREE else 0, 5 if arm == TREE else 0)
+            if stretches and arm == PLAIN and not left and not p.probing:
+                left = p.plain_run(window)
+        return arms, asked
+    (every, asked_every), (stretched, asked) = run(False), run(True)
+    assert stretched == every and asked < 0.5 * asked_every
+    drafted = [i for i, a in enumerate(every) if a != PLAIN]
+    assert len(drafted) >= 10

@@ -156,3 +156,15 @@ def test_a_dropped_index_is_freed_without_the_garbage_collector():
     finally:
         if was:
             gc.enable()
+
+
+def test_has_match_says_whether_propose_returns_a_continuation():
+    """has_match(m), the plain stretch's cheap question, agrees with propose(n, m) at every step of
+    random and repetitive sequences, for every match length asked."""
+    rng = random.Random(0)
+    for vocab, n in ((3, 300), (20, 400), (400, 300)):
+        index = SuffixIndex()
+        for _ in range(n):
+            index.extend([rng.randrange(vocab)])
+            for m in range(0, 12):
+                assert index.has_match(m) == bool(index.propose(4, m)), (vocab, len(index.tokens), m)

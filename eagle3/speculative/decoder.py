@@ -143,7 +143,9 @@ class SpecDecoder:
         self.device = target.device
         self.gen = params.generator(self.device)
         self.eyes = {s.top_k: torch.eye(s.top_k, dtype=torch.bool, device=self.device) for s in self.shapes}
+        self._slack = cache_slack(self.shapes, self.suffix_only_tokens)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # plain steps' (next id, feature)
+        self.plain_left = 0            # steps of a plain stretch still to run (policy.plain_run)
         self.draft_offset = 0          # tokens before the draft cache's row 0 (a restart drops them)
         self.levels = 0                                              # draft forwards this step
         self.caught_up: Optional[tuple[int, float]] = None           # this step's catch-up: rows, ms
@@ -162,7 +164,7 @@ class SpecDecoder:
     @property
     def slack(self) -> int:
         """Cache rows reserved past the output at prefill: the largest verify block or draft tree."""
-        return cache_slack(self.shapes, self.suffix_only_tokens)
+        return self._slack
 
     @property
     def caches(self) -> tuple[KVCache, ...]:
@@ -172,7 +174,7 @@ class SpecDecoder:
     @torch.inference_mode()
     def prefill(self, prompt_ids: list[int], max_new_tokens: int) -> Step:
         n = len(prompt_ids)
-        self.pending, self.suffix_last, self.shadow = [], None, None
+        self.pending, self.suffix_last, self.shadow, self.plain_left = [], None, None, 0
         self.draft_offset = 0
         for cache in self.caches:
             cache.reset()
@@ -188,7 +190,7 @@ class SpecDecoder:
         # prefill is a cost on the GGUF codes, where plain steps win)
         self.head = None
         if self.draft is not None:
-            self.pending = [(torch.cat([ids[1:], self.root]), self._features(out)[0])]
+            self._wait(torch.cat([ids[1:], self.root]), self._features(out)[0])
         root = int(self.root)
         if self.suffix_only_tokens or any(s.suffix_tokens for s in self.shapes):
             self.suffix = SuffixIndex()
@@ -199,11 +201,18 @@ class SpecDecoder:
     def step(self) -> Step:
         if self.policy is None:
             return self.tree_step()
+        if self.plain_left:
+            if not self._suffix_offers():
+                return self._stretch_step()
+            self.plain_left = 0
         t0 = time.perf_counter()
         conts, match, budget = self.suffix_only_candidates()
         arm = self.policy.choose(suffix_ready=bool(conts), suffix_match=match)
         self.levels, self.caught_up = 0, None
-        if arm == PLAIN:
+        if arm not in (PLAIN, SUFFIX_ONLY) and self.head is None and not self.pending:
+            arm = PLAIN        # nothing captured to draft from (a leader changed unforeseen): this
+            step = self.plain_step(capture=True)     # step captures, the next may draft
+        elif arm == PLAIN:
             step = self.plain_step()
         elif arm == SUFFIX_ONLY:
             step = self.suffix_step(conts, budget)
@@ -224,7 +233,26 @@ class SpecDecoder:
             self.policy.observe_catch_up(rows, ms)
             wall_ms -= ms
         self.policy.observe(arm, step, self.levels, wall_ms, timed=self.timed)
+        if arm == PLAIN and not self.policy.probing:
+            self.plain_left = self.policy.plain_run(CATCH_UP_WINDOW)
         return step._replace(arm=name_of(arm))
+
+    def _suffix_offers(self) -> bool:
+        """Whether the suffix index would offer a suffix-only block now."""
+        return bool(self.suffix is not None and self.suffix_only_tokens
+                    and self.suffix.has_match(self.policy.suffix_only_min_match))
+
+    def _stretch_step(self) -> Step:
+        """A step of a plain stretch (AdaptivePolicy.plain_run): a plain step without asking the
+        policy, capturing nothing (no drafted step comes within CATCH_UP_WINDOW steps after the
+        stretch), reported to the policy as any step. Its bookkeeping is what plain decoding's is,
+        plus the suffix index: over a stretch the adaptive step costs what plain decoding does."""
+        self.plain_left -= 1
+        t0 = time.perf_counter()
+        step = self.plain_step(capture=False)
+        self._judge_shadow(step.tokens)
+        self.policy.observe(PLAIN, step, 0, 1e3 * (time.perf_counter() - t0), timed=self.timed)
+        return step._replace(arm=PLAIN)
 
     def _judge_shadow(self, tokens: list[int]) -> None:
         """Feed the emitted tokens to the block being judged; once known, the policy gets what it
@@ -236,15 +264,24 @@ class SpecDecoder:
             self.policy.observe_shadow(self.shadow.match, accepted + 1, self.shadow.rows)
             self.shadow = None
 
-    def plain_step(self) -> Step:
-        """One target forward of the root; the token drawn as plain decoding draws it."""
+    def plain_step(self, capture: Optional[bool] = None) -> Step:
+        """One target forward of the root; the token drawn as plain decoding draws it. The target's
+        features for the draft are captured only where the policy may draft within
+        CATCH_UP_WINDOW steps (`draft_within`); elsewhere the draft's waiting rows are dropped, so
+        it restarts from the rows captured after (a plain stretch costs what plain decoding does)."""
         t0 = time.perf_counter()
         start = self.cache.length
         positions = torch.tensor([start], device=self.device)
-        out = self.target(self.root[None], positions, self.cache, capture_ids=self.capture_ids)
+        if capture is None:
+            capture = self.policy is None or self.policy.draft_within(CATCH_UP_WINDOW)
+        capture = capture and self.draft is not None
+        out = self.target(self.root[None], positions, self.cache,
+                          capture_ids=self.capture_ids if capture else ())
         self.root = sample_next(out.logits[0, -1], self.params, self.gen).view(1)
-        if self.draft is not None:
-            self.pending.append((self.root, self._features(out)[0]))
+        if capture:
+            self._wait(self.root, self._features(out)[0])
+        elif self.draft is not None:
+            self._restart(start + 1, [])
         token = int(self.root)
         if self.suffix is not None:
             self.suffix.extend([token])
@@ -258,7 +295,7 @@ class SpecDecoder:
             return [], 0, 0
         shortest = self.policy.suffix_only_min_match
         most = self._within_room(SUFFIX_MAX_FACTOR * self.suffix_only_tokens)
-        cands = [c for c in self.suffix.propose(most) if c.match_len >= shortest]
+        cands = self.suffix.propose(most, shortest)
         match = max((c.match_len for c in cands), default=0)
         budget = self.suffix_only_budget(match)
         return first_cut([c.tokens[:budget] for c in cands], budget), match, budget
@@ -298,7 +335,7 @@ class SpecDecoder:
         self.suffix_last = acc.accept_len
         self.root = self._ids(acc.tokens[-1:])
         if self.draft is not None:
-            self.pending.append((self._ids(acc.tokens), features))
+            self._wait(self._ids(acc.tokens), features)
         self.suffix.extend(acc.tokens)
         return Step(acc.tokens, acc.accept_len, verify_s=time.perf_counter() - t0,
                     proposed=tree.size - 1, accepted_suffix=acc.accept_len)
@@ -345,6 +382,26 @@ class SpecDecoder:
         if self.params.greedy:
             return verify_greedy(logits, tree)
         return verify_sampled(logits, tree, self.params, self.gen)
+
+    def _wait(self, next_ids: torch.Tensor, features: torch.Tensor) -> None:
+        """Rows for the draft's next catch-up: (next ids, features) of the tokens after the draft
+        cache. Past CATCH_UP_WINDOW entries they are joined and only the latest CATCH_UP_WINDOW
+        rows kept (all the catch-up reads), so a long plain stretch holds a bounded list."""
+        self.pending.append((next_ids, features))
+        if len(self.pending) > CATCH_UP_WINDOW:        # each entry holds a row or more
+            ids = torch.cat([i for i, _ in self.pending])
+            feats = torch.cat([f for _, f in self.pending])
+            if ids.numel() <= CATCH_UP_WINDOW:
+                self.pending = [(ids, feats)]
+            else:
+                self._restart(self.draft_offset + self.draft_cache.length + ids.numel() - CATCH_UP_WINDOW,
+                              [(ids[-CATCH_UP_WINDOW:], feats[-CATCH_UP_WINDOW:])])
+
+    def _restart(self, position: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The draft starts again at token `position` from an empty cache, `rows` (that token's and
+        the following ones') waiting: the rows before are dropped."""
+        self.draft_cache.truncate(0)
+        self.draft_offset, self.head, self.pending = position, None, rows
 
     def _catch_up(self) -> None:
         """The draft over the rows plain steps left waiting (one forward), so it proposes again;

@@ -128,6 +128,8 @@ MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in
 SAMPLED_PROBE_SHARE = 0.0025   # ... for sampled requests, where plain decoding wins ~96% of the
                                # steps: at 1% the probes and their catch-ups were ~1% of the time
                                # (MT-bench T=1: 0.98x plain; 2.6% of the time in probe steps)
+PLAIN_RUN_STEPS = 64      # a plain stretch the decoder runs without asking (plain_run) ...
+PLAIN_RUN_MARGIN = 1.1    # ... where plain beats every shape by this much
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
 
@@ -216,6 +218,7 @@ class AdaptivePolicy:
         self.run: tuple[Optional[Arm], int] = (None, 0)   # a probe under way: its arm, steps left
         self.rates: dict = {}                  # arm -> rate, until a step changes what it reads
         self.draft_probes = 0                  # drafted steps forced by draft_probe_every
+        self._shapes_tried = False             # every shape has had probe_steps steps
         if self.probe_steps < 1:
             raise InputError(f"AdaptivePolicy probe_steps must be >= 1, got {self.probe_steps}")
         if not 0.0 <= self.probe_share < 1.0:
@@ -247,14 +250,16 @@ class AdaptivePolicy:
     def choose(self, suffix_ready: bool = False, suffix_match: int = 0) -> Arm:
         """The arm of this step; suffix_match: the length of the match the suffix index continues
         (its class picks the suffix-only averages the step reads and updates)."""
+        if not suffix_ready and self._plain_holds():
+            self.probing = False
+            return PLAIN
         if suffix_ready:
             self._suffix_class(suffix_match)
         arms = self.arms(suffix_ready)
-        tries = {a: self.stats[a].steps + self.stats[a].shadows for a in arms if a != PLAIN}
-        untried = [a for a, n in tries.items() if n < self.probe_steps]
         self.probing = True
-        if untried:
-            return untried[0]
+        untried = self._untried(arms)
+        if untried is not None:
+            return untried
         arm, left = self.run
         if left and arm in arms:                   # a probe runs probe_steps steps
             self.run = (arm, left - 1)
@@ -264,8 +269,10 @@ class AdaptivePolicy:
             shape = min(self.shapes, key=lambda a: self.stats[a].last_step)
             self.draft_probes += 1
             return shape
-        best = max(arms, key=self.goodput)
-        self._follow(max(self.arms(), key=self.goodput))
+        goodput = {a: self.goodput(a) for a in arms}
+        best = max(arms, key=goodput.__getitem__)
+        self._follow(best if not suffix_ready else
+                     max((a for a in arms if a != SUFFIX_ONLY), key=goodput.__getitem__))
         others = [a for a in arms if a != best]
         if self.probe_due and others:
             probe = min(others, key=lambda a: self.stats[a].last_step)
@@ -275,6 +282,44 @@ class AdaptivePolicy:
             return probe
         self.probing = False
         return best
+
+    def plain_run(self, window: int) -> int:
+        """Steps from now that are plain whatever they cost, as long as the suffix index offers
+        no block: plain leads every shape by PLAIN_RUN_MARGIN, and no probe or drafted step is
+        due within them and `window` more steps (the decoder captures the draft's rows over
+        those). At most PLAIN_RUN_STEPS. The decoder runs them without asking (`SpecDecoder`'s
+        plain stretch) and reports each with `observe`, as any step."""
+        if not self._plain_holds(PLAIN_RUN_MARGIN):
+            return 0
+        ahead = PLAIN_RUN_STEPS
+        if self.probe_every:
+            ahead = min(ahead, self.next_probe - self.steps - window)
+        if self.draft_probe_every and self.shapes:
+            last = max(self.stats[a].last_step for a in self.shapes)
+            ahead = min(ahead, self.draft_probe_every - (self.steps - max(last, 0)) - window)
+        return max(ahead, 0)
+
+    def _plain_holds(self, margin: float = 1.0) -> bool:
+        """The choice below is PLAIN again, decided from what a plain step can change (plain's
+        own rate, the step count): plain led, nothing is untried, no probe run or drafted step is
+        due, and plain still beats every shape (on a tie the shape wins, as in max). Most steps of
+        a plain stretch end here, at a fraction of the full choice's cost."""
+        if self.leader != PLAIN or not self._shapes_tried or self.probe_due or self.draft_due:
+            return False
+        plain = self.rate(PLAIN)
+        return all(plain > margin * self.goodput(a) for a in self.shapes)
+
+    def _untried(self, arms: list[Arm]) -> Optional[Arm]:
+        """The first arm offered with fewer than probe_steps steps (taken or judged), or None.
+        Steps only accumulate, so once every shape is tried only SUFFIX_ONLY (whose averages
+        follow the match class) is looked at."""
+        for a in arms:
+            if a == PLAIN or (a != SUFFIX_ONLY and self._shapes_tried):
+                continue
+            if self.stats[a].steps + self.stats[a].shadows < self.probe_steps:
+                return a
+        self._shapes_tried = True
+        return None
 
     def goodput(self, arm: Arm) -> float:
         """What the choice compares: an arm's predicted tokens per ms, a speculative arm's less
@@ -345,9 +390,15 @@ class AdaptivePolicy:
         return self._forwards_ms(arm, rows, levels) + self.overhead_ms
 
     def step_cost_ms(self, arm: Arm, rows: float, levels: float, caught_up_rows: int = 0) -> float:
-        """The table's ms of a step as run, with the draft's catch-up over `caught_up_rows` rows
-        first: what the thread governor weighs the step's wall time by."""
-        return self.table_ms(arm, rows, levels) + (self.costs.draft(caught_up_rows) if caught_up_rows else 0.0)
+        """The predicted ms of a step as run (the table's, times the arm's observed correction),
+        with the draft's catch-up over `caught_up_rows` rows first: what the thread governor weighs
+        the step's wall time by. With the table's alone, a tree step (which costs ~1.5x its table
+        ms inside decoding, the plain step less) read as a slowdown of two threads: a one-thread
+        probe then won, and decoding ran on one thread for a while (MT-bench T=1: 0.97x plain
+        with the governor, 1.00x without it)."""
+        correction = self.stats[arm].correction if self.correct_costs else 1.0
+        return (self.table_ms(arm, rows, levels) * correction
+                + (self.costs.draft(caught_up_rows) if caught_up_rows else 0.0))
 
     def _forwards_ms(self, arm: Arm, rows: float, levels: float) -> float:
         draft = levels * self.costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
@@ -360,6 +411,24 @@ class AdaptivePolicy:
             return False
         last = max(self.stats[a].last_step for a in self.shapes)
         return self.steps - max(last, 0) >= self.draft_probe_every
+
+    def draft_within(self, steps: int) -> bool:
+        """Whether a drafted step may come within `steps` steps: a shape leads or is untried, a
+        probe or a forced draft step is due by then. Until then a plain step need not capture the
+        target's features for the draft (SpecDecoder.plain_step): the draft restarts from the
+        rows captured since (at most decoder.CATCH_UP_WINDOW of them would be read anyway)."""
+        if not self.shapes:
+            return False
+        if self.leader is None or self.leader != PLAIN or self.run[1] > 0:
+            return True
+        if any(self.stats[a].steps < self.probe_steps for a in self.shapes):
+            return True
+        if self.probe_every and self.next_probe - self.steps <= steps:
+            return True
+        if self.draft_probe_every:
+            last = max(self.stats[a].last_step for a in self.shapes)
+            return self.draft_probe_every - (self.steps - max(last, 0)) <= steps
+        return False
 
     # ------------------------------------------------------------------ feedback
     @property
@@ -380,9 +449,10 @@ class AdaptivePolicy:
         self.rates.pop(arm, None)
         s = self.stats[arm]
         rows = step.proposed + 1
-        s.tokens.add(len(step.tokens))
-        s.rows.add(rows)
-        s.levels.add(levels)
+        if arm != PLAIN or not s.steps:             # a plain step: 1 token, 1 row, no level, always
+            s.tokens.add(len(step.tokens))
+            s.rows.add(rows)
+            s.levels.add(levels)
         s.steps += 1
         s.last_step = self.steps
         if not timed:

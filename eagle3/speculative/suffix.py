@@ -127,6 +127,22 @@ class _ContextTrie:
             depth += 1
         return depth
 
+    def reaches(self, context: Sequence[int], length: int) -> bool:
+        """Whether a suffix of `context` at least `length` (and min_match) long was seen before
+        with a next token: matches() would hold one. Walks `length` levels and builds nothing."""
+        length = max(length, self.min_match)
+        node = self.root
+        for d in range(1, min(self.max_match, len(context)) + 1):
+            child = node.older.get(context[-d])
+            if child is None:
+                return False
+            if isinstance(child, _Tail):
+                return self._tail_match(child, context, d) >= length
+            if d >= length:
+                return True          # a node at depth >= min_match always holds statistics
+            node = child
+        return False
+
     def ranked(self, context: Sequence[int], limit: int, exclude: set[int]):
         """Up to `limit` (L, next token, count, latest end), by the module docstring's order."""
         out, seen = [], set(exclude)
@@ -177,14 +193,22 @@ class SuffixIndex:
             n = len(self.tokens) - 1
             self.trie.add(n, min(self.trie.max_match, n))
 
-    def propose(self, max_tokens: int = 8) -> list[SuffixCandidate]:
-        """Up to max_candidates continuations (distinct first tokens)."""
+    def has_match(self, min_match: int = 0) -> bool:
+        """Whether propose(n, min_match) would return a continuation (n >= 1), at a fraction of
+        its cost: the adaptive step's plain stretch asks this every step."""
+        return self.trie.reaches(self.tokens, min_match)
+
+    def propose(self, max_tokens: int = 8, min_match: int = 0) -> list[SuffixCandidate]:
+        """Up to max_candidates continuations (distinct first tokens) of matches at least
+        `min_match` tokens long (ranked longest first, so the shorter ones are never built)."""
         if max_tokens < 1:
             return []
         n, seq = len(self.tokens), self.tokens
         # the own trie holds ends e <= n-1 only (the last token has no next yet): all earlier
         out = []
         for length, _, count, e in self.trie.ranked(seq, self.max_candidates, set()):
+            if length < min_match:
+                break
             period = n - e
             cont = [seq[e + j % period] for j in range(max_tokens)]
             out.append(SuffixCandidate(cont, length, count))
