@@ -622,6 +622,8 @@ def test_sampled_trees_draw_what_plain_sampling_draws():
 class ScriptedGate(BatchGate):
     """Speculation on and off by a script of batch steps (True: on), whatever the steps cost."""
 
+    check_due = False             # no plain checks: the script alone says on or off
+
     def __init__(self, script):
         super().__init__()
         self.script, self.steps = script, 0
@@ -716,3 +718,29 @@ def test_a_draft_whose_chains_never_pay_is_still_checked_now_and_then(one_thread
     drafted = [s for r in reqs for s in r.output.steps if s.arm == "draft"]
     assert 3 <= len(drafted) <= 30 // 5 + 1 and all(s.proposed == 1 for s in drafted)
     assert monitor.steps == len(drafted)
+
+
+def test_steps_with_prompt_rows_are_not_judged_by_the_gate(one_thread):
+    """The gate and the live fit take decode steps only: a prompt piece's rows cost a fraction of
+    the cost table's slope a row, and one such step read as several times dearer held speculation
+    on where it lost."""
+    from eagle3.runtime.costs import CostTable, LiveCosts
+    model, target, truth, draft = oracled_batch(0)
+    table = CostTable((1, 2, 4, 8), tuple(CHEAP_ROWS(r) for r in (1, 2, 4, 8)), (0.1,) * 4)
+    live = LiveCosts(table)
+    sched = BatchScheduler(target, StubTokenizer(), set(), max_batch=3, max_model_len=CTX, prefill_chunk=8,
+                           chain_costs=CHEAP_ROWS, draft=draft, draft_costs=CHEAP_DRAFT, live=live)
+    judged, real = [], sched._judge
+
+    def judge(blocks, emitted, context, forward_ms, wall_ms):
+        before = (dict(sched.gate.counts), sum(f[0] for f in live.fits.values()))
+        real(blocks, emitted, context, forward_ms, wall_ms)
+        after = (dict(sched.gate.counts), sum(f[0] for f in live.fits.values()))
+        judged.append((all(d for _, _, d in blocks), before != after))
+    sched._judge = judge
+    reqs = [sched.add(p, q) for p, q in zip(DRAFT_PROMPTS, DRAFT_PARAMS)]
+    chunks = drain(sched)
+    for req, want in zip(reqs, truth):
+        assert [t for c in chunks[req.id] for t in c.token_ids] == want
+    assert any(not decode_only for decode_only, _ in judged)          # prompt pieces ran
+    assert all(seen == decode_only for decode_only, seen in judged)

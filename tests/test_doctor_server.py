@@ -389,3 +389,34 @@ def test_real_server_shipped_draft_passes_random_draft_fails(tmp_path):
     print(f"random draft: doctor tau {bad.probe['phases'][0]['tau']:.3f}")
     assert check(bad, "server.tau").status == "fail", bad.table()
     assert "off by one" in check(bad, "server.tau").fix
+
+
+@pytest.mark.real
+def test_real_adaptive_server_random_draft_exits_1_shipped_exits_0(tmp_path):
+    """The seed's silent failure in our own server: with its default adaptive step a server stops
+    asking a useless draft and runs at plain speed. It still measures its draft (its first own
+    steps densely), so the doctor fails a random-weights draft of the shipped draft's shapes,
+    naming the draft and its acceptance, and passes the shipped draft."""
+    import torch
+    from eagle3.api import load_engine
+    from eagle3.draft.formats import save_draft
+    from eagle3.draft.model import DraftConfig, Eagle3Draft
+    shipped = load_engine(max_model_len=512)
+    torch.manual_seed(0)
+    draft = Eagle3Draft(DraftConfig.for_target(shipped.target.config))
+    draft_dir = save_draft(draft, tmp_path / "random", "specforge", shipped.target.config)
+    with RunningServer(create_app(shipped, model_name="smollm2")) as s:
+        good = run_server_doctor(s.url)
+        good_health = httpx.get(s.url + "/health", timeout=10).json()
+    assert good.exit_code == 0 and check(good, "server.draft").status == "pass", good.table()
+    assert not good_health["draft"]["collapsed"]
+    random_engine = load_engine(draft=str(draft_dir), max_model_len=512)
+    random_engine.draft_name = str(draft_dir)                  # as `eagle3 serve --draft DIR` names it
+    with RunningServer(create_app(random_engine, model_name="smollm2")) as s:
+        bad = run_server_doctor(s.url)
+        bad_health = httpx.get(s.url + "/health", timeout=10).json()
+    found = check(bad, "server.draft")
+    print(f"\nshipped: {check(good, 'server.draft').message}\nrandom: {found.message}")
+    assert bad.exit_code == 1 and found.status == "fail" and found.field == "draft tau", bad.table()
+    assert "random" in found.message and "never accepted" in found.message
+    assert bad_health["status"] == "degraded" and bad_health["draft"]["collapsed"]

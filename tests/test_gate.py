@@ -62,7 +62,7 @@ def test_the_margin_keeps_speculation_that_barely_pays_off():
     assert run(gate, lambda i: 1.03, 10)[-1]
 
 
-def test_a_plain_step_is_predicted_with_its_time_outside_the_forward():
+def test_a_plain_step_is_predicted_by_its_measured_wall_over_the_model():
     gate = BatchGate()
     for _ in range(20):
         gate.observe_plain(12.0, 10.0)
@@ -103,3 +103,36 @@ def test_live_costs_of_one_row_count_scale_the_table_and_never_make_rows_free():
         live.observe(rows, 4.0 if rows == 1 else 4.5)
     a, b = live.factors()
     assert b >= 0.5 * a and live.target(32) > live.target(16)
+
+
+def test_plain_decoding_is_measured_by_checks_while_speculation_is_on():
+    """While on, the first step of all and then every CHECK_EVERY-th step (outside a probe) is a
+    plain check; its wall time over the model's calibrates the prediction of plain decoding, so a
+    model that prices plain steps 30% too dear no longer reads a loss as a gain."""
+    from eagle3.speculative.gate import CHECK_EVERY
+    gate = BatchGate(probe_steps=4)
+    model_ms, true_ms = 13.0, 10.0                     # the model prices a plain step 30% too dear
+    checks, on = [], []
+    for i in range(200):
+        if not gate.on:
+            gate.observe_plain(true_ms, model_ms)
+        elif gate.check_due:
+            checks.append(i)
+            gate.observe_plain(true_ms, model_ms)
+        else:                                          # speculation at 0.9x plain
+            gate.observe(1, 1, true_ms / 0.9, gate.plain_ms(model_ms))
+        on.append(gate.on)
+    assert checks[0] == 0 and gate.calibration == pytest.approx(true_ms / model_ms)
+    assert sum(on[100:]) < 20                          # off but for its probes
+    fooled = BatchGate(probe_steps=4)                  # without the calibration: 0.9 x 1.3 > 1
+    assert all(run(fooled, lambda i: 0.9 * 1.3, 100))
+    steady = BatchGate(probe_steps=4)
+    steady.observe_plain(10.0, 10.0)
+    gaps = []
+    for i in range(100):
+        if steady.check_due:
+            gaps.append(i)
+            steady.observe_plain(10.0, 10.0)
+        else:
+            steady.observe(2, 1, 10.0, steady.plain_ms(10.0))
+    assert steady.on and [b - a for a, b in zip(gaps, gaps[1:])] == [CHECK_EVERY] * (len(gaps) - 1)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from ..errors import Eagle3Error
+from ..speculative.monitor import DRAFT_FLOOR
+from ..speculative.policy import DRAFT_MEASURE_STEPS
 from .offline import PROBE_PROMPTS, ProbeSettings, load_draft_checked, load_target_checked, run_probe
 from .endpoint import Counters, Endpoint, ServerError, ServerInfo, identify, settled_counters, snippet
 from .report import Check, DoctorReport, failed, passed, warned
@@ -83,7 +85,8 @@ class ServerSettings:
     fail_tau: float = 1.1         # tau <= this: (almost) nothing is accepted
     warn_tau: float = 1.3
     offline_share: float = 0.6    # live accepted tokens per step below this share of offline's: fail
-    min_draft_steps: int = 4      # the draft's own steps needed to judge it
+    min_draft_steps: int = DRAFT_MEASURE_STEPS   # the draft's own steps needed to judge it ...
+    draft_rounds: int = 8         # ... greedy chat rounds sent again at most to reach them
     phases: tuple[Phase, ...] = PHASES
 
 
@@ -286,8 +289,10 @@ def sampled_check(results: list[PhaseResult]) -> list[Check]:
 def draft_check(info: ServerInfo, counters: Counters, s: ServerSettings,
                 health: Optional[dict] = None) -> list[Check]:
     """The draft's own acceptance, apart from suffix-only blocks: an adaptive server stops asking a
-    useless draft, so its overall tau alone looks healthy. Fails when the draft's tau since start is
-    <= fail_tau, or when the server says its latest own steps collapsed (weights lost mid-run).
+    useless draft, so its overall tau alone looks healthy. Fails when the draft accepted fewer than
+    DRAFT_FLOOR tokens a step over at least min_draft_steps of its own steps since start (greedy
+    chat rounds are sent again, up to draft_rounds, until the server has counted that many), or
+    when the server says its latest own steps collapsed (weights lost mid-run).
     `health`: the server's /health "draft" after the requests, where it has one."""
     if counters.draft_steps is None:
         return []
@@ -302,9 +307,9 @@ def draft_check(info: ServerInfo, counters: Counters, s: ServerSettings,
     tau = 1 + accepted / steps
     what = (f"{who}: tau {tau:.2f} over {steps:g} steps of its own proposals since the server started "
             f"({accepted:g} accepted tokens; suffix-only blocks excluded)")
-    if tau <= s.fail_tau:
+    if accepted < DRAFT_FLOOR * steps:
         return [Check("server.draft", "fail", f"{what}: the draft is (almost) never accepted", DRAFT_LOST,
-                      field="draft tau", found=round(tau, 2), expected=f"> {s.fail_tau}")]
+                      field="draft tau", found=round(tau, 2), expected=f">= {1 + DRAFT_FLOOR}")]
     if isinstance(draft, dict) and draft.get("collapsed"):
         return [Check("server.draft", "fail", f"{what}, but its latest own steps accept (almost) "
                       "nothing: the server reports the draft collapsed", DRAFT_LOST,
@@ -435,6 +440,10 @@ def measure(ep: Endpoint, model: Optional[str], s: ServerSettings, report: Docto
     for phase in s.phases:
         result, counters = run_phase(ep, info, served, phase, s, counters)
         results.append(result)
+    for _ in range(s.draft_rounds):               # an adaptive server asks its draft now and then
+        if counters.draft_steps is None or counters.draft_steps >= s.min_draft_steps:
+            break
+        _, counters = run_phase(ep, info, served, s.phases[0], s, counters)
     report.facts.update(server=ep.url, engine=info.engine.name if info.engine else None,
                         version=info.version, model=served, settings=info.settings)
     report.probe = {"phases": [r.as_dict() for r in results]}

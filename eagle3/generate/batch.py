@@ -53,7 +53,7 @@ from ..sampling import SamplingParams, sample_each
 from ..runtime.costs import LiveCosts
 from ..speculative.decoder import check_draft
 from ..speculative.gate import BatchGate
-from ..speculative.policy import DRAFT_PROBE_EVERY
+from ..speculative.policy import DRAFT_PROBE_EVERY, draft_interval
 from ..speculative.step import Step
 from .chains import (DRAFT_MAX_TOKENS, NO_EXTRA, ChainPlanner, ChainState, DraftChain, DraftPool, DraftSpend,
                      Guess, Option, check_tree, expected_tokens, ranked_nodes, worth_asking)
@@ -158,7 +158,10 @@ class BatchScheduler(Scheduler):
         self.live = live
         self.gate = BatchGate() if self.chains is not None and live is not None else None
         self.spec_was_on = True           # the last batch step speculated (draft chains are fed)
+        self.checking = False             # ... and was the gate's plain check (no guesses)
         self.draft_quiet = 0              # batch steps since a draft chain was checked
+        self.draft_checked = 0            # draft chains checked so far
+        self.draft_measure = 0            # ... of which the first are asked densely (draft_interval)
 
     @classmethod
     def from_engine(cls, engine, max_batch: int = DEFAULT_MAX_BATCH, prefill_chunk: int = PREFILL_CHUNK,
@@ -214,8 +217,9 @@ class BatchScheduler(Scheduler):
         if speculating and not self.spec_was_on:
             self._restart_drafts()
         self.spec_was_on = speculating
+        self.checking = speculating and self.gate is not None and self.gate.check_due
         self.draft_quiet += 1
-        blocks, guesses = self._blocks(speculating)
+        blocks, guesses = self._blocks(speculating and not self.checking)
         trees = {i: guesses[req.id].ancestors() for i, (req, _, _) in enumerate(blocks)
                  if req.id in guesses and guesses[req.id].alternate}
         rows = self.cache.plan([(req.slot, len(ids)) for req, ids, _ in blocks], trees)
@@ -245,6 +249,7 @@ class BatchScheduler(Scheduler):
                 g.observe(req.chain if g.source == "suffix" else req.chain.draft, path)
                 if g.source == "draft":
                     self.draft_quiet = 0
+                    self.draft_checked += 1
                 done = Step(tokens, kept, verify_s=step_s, proposed=len(ids) - 1,
                             accepted_suffix=kept if g.source == "suffix" else 0, arm=g.source)
                 if g.source == "draft" and self.monitor is not None:
@@ -271,22 +276,31 @@ class BatchScheduler(Scheduler):
         the tokens its decoding requests got against plain decoding's predicted time."""
         if self.gate is None:
             return
+        if not all(decodes for _, _, decodes in blocks):
+            # a step with prompt rows says nothing here: the cost table's rows are decode steps'
+            # (1-16 rows and their guesses), and a 512-row prompt piece, which costs a fraction of
+            # that slope a row, read as ~6x dearer than it was; one such step in the gate's
+            # average held speculation on where it ran at 0.91x plain (16 clients)
+            return
         rows = sum(len(ids) for _, ids, _ in blocks)
         self.live.observe(rows, forward_ms, context)
         decoding = {req.id for req, _, decodes in blocks if decodes}
-        if not self.spec_was_on:
-            self.gate.observe_plain(wall_ms, forward_ms)
+        base = len(decoding)
+        model_ms = self.live.target(base, context)
+        if not self.spec_was_on or self.checking:
+            self.gate.observe_plain(wall_ms, model_ms)
             return
-        base = len(decoding) + sum(len(ids) for _, ids, decodes in blocks if not decodes)
         got = sum(len(e.chunk.token_ids) for e in emitted if e.request.id in decoding)
-        self.gate.observe(got, len(decoding), wall_ms, self.gate.plain_ms(self.live.target(base, context)))
+        self.gate.observe(got, len(decoding), wall_ms, self.gate.plain_ms(model_ms))
 
     def _draft_probe(self, decoders: list[BatchRequest], plan: dict) -> None:
         """A draft chain of one token where none was checked in DRAFT_PROBE_EVERY batch steps
-        (policy.DRAFT_PROBE_EVERY; counted over every step, taken at the first one speculating):
+        (policy.draft_interval: every DRAFT_PROBE_FIRST until `draft_measure` chains were checked;
+        counted over every step, taken at the first one speculating):
         the draft's own acceptance stays measured (the monitor, /health) when its chains never
         pay, so a broken draft is seen. The request whose draft has rows to draft from."""
-        if (self.draft is None or self.draft_quiet < DRAFT_PROBE_EVERY
+        if (self.draft is None
+                or self.draft_quiet < draft_interval(self.draft_checked, DRAFT_PROBE_EVERY, self.draft_measure)
                 or any(o.source == "draft" for o, _ in plan.values())):
             return
         for r in decoders:

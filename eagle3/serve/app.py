@@ -42,6 +42,7 @@ from ..generate import encode_prompt
 from ..generate.batch import PREFILL_CHUNK, PREFIX_CACHE_TOKENS, BatchScheduler
 from ..generate.serial import SerialScheduler
 from ..speculative.monitor import DRAFT_COLLAPSED_MESSAGE, DraftWatch
+from ..speculative.policy import DRAFT_MEASURE_STEPS
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
                        requested_max_tokens, sampling_params)
@@ -149,6 +150,7 @@ class Server:
             log.info("speculation inside the batch: %s", scheduler.chain_mode())
         else:
             scheduler = SerialScheduler(engine)
+        measure_draft(engine, scheduler)
         self.worker = EngineWorker(scheduler, max_queue, self.after_job, on_step)
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
@@ -467,3 +469,15 @@ def add_error_handlers(app: FastAPI) -> None:
         log.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal server error: {type(e).__name__}", "server_error",
                                        None, "internal_error"), status_code=500)
+
+
+def measure_draft(engine, scheduler) -> None:
+    """The server judges its draft early: its first DRAFT_MEASURE_STEPS own steps come densely
+    (policy.draft_interval), solo and in the batch, so /health and `eagle3 doctor --server` see a
+    broken draft within a few hundred steps even where the adaptive step would not ask it."""
+    if getattr(engine, "draft", None) is None:
+        return
+    for policy in getattr(engine, "policies", {}).values():
+        policy.measure_steps = DRAFT_MEASURE_STEPS
+    if isinstance(scheduler, BatchScheduler):
+        scheduler.draft_measure = DRAFT_MEASURE_STEPS

@@ -15,6 +15,7 @@ import logging
 from collections import Counter, deque
 from typing import Any
 
+from .policy import DRAFT_MEASURE_STEPS
 from .step import Step, acceptance_stats
 
 log = logging.getLogger("eagle3.speculative")
@@ -92,6 +93,14 @@ DRAFT_COLLAPSED_MESSAGE = (
     "paired with the wrong target.")
 
 
+# A draft whose latest own steps (at least DRAFT_MEASURE_STEPS) accepted fewer tokens than this a
+# step has collapsed: 0 or 1 accepted over 32 steps. The shipped draft's own steps accept ~0.25
+# (sampled) to ~0.4 (greedy) tokens each, so 32 of them fall that low with a chance of ~1e-3 or
+# less; judged over 4 steps (0.7^4: one fresh server in four), the shipped draft was reported
+# collapsed at a server's start. A random draft accepts ~0.
+DRAFT_FLOOR = 0.05
+
+
 def is_draft_step(step: Step) -> bool:
     """A step whose verified block holds the draft's own proposals: not a suffix-only block (arm
     "suffix", from the solo policy or a suffix chain in the batch) and not a plain step."""
@@ -105,7 +114,7 @@ class DraftWatch:
     (at least `min_steps`, at most `window`) accepted less than `floor` tokens each on average;
     `steps` and `accepted` count since start."""
 
-    def __init__(self, min_steps: int = 4, floor: float = 0.1, window: int = 64):
+    def __init__(self, min_steps: int = DRAFT_MEASURE_STEPS, floor: float = DRAFT_FLOOR, window: int = 64):
         self.min_steps, self.floor = min_steps, floor
         self.recent: deque[int] = deque(maxlen=window)   # the draft's own accepted tokens per step
         self.steps = 0

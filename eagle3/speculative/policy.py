@@ -119,7 +119,9 @@ SPEC_MARGIN = 0.03        # a speculative arm is taken over plain decoding only 
                           # tokens per ms beat plain's by this share: within noise of plain, a
                           # drafting step's variance and catch-ups cost more than the gain
 CATCH_UP_PRIOR_ROWS = 64  # the draft's catch-up predicted before any was seen (decoder.CATCH_UP_WINDOW)
-DRAFT_PROBE_EVERY = 512   # a drafted step at least this often, whatever the averages say: the
+DRAFT_MEASURE_STEPS = 32  # the draft's own steps a server needs to judge it (monitor.DraftWatch);
+DRAFT_PROBE_FIRST = 4     # until it has them, a drafted step at least every this many steps ...
+DRAFT_PROBE_EVERY = 512   # ... then at least this often, whatever the averages say: the
                           # draft's own acceptance stays measured (/health, eagle3 doctor --server),
                           # so a draft gone bad (random or lost weights) is seen, not hidden behind
                           # plain steps (~0.3% of the time at T=1)
@@ -131,6 +133,14 @@ SAMPLED_PROBE_SHARE = 0.0025   # ... for sampled requests, where plain decoding 
 PLAIN_RUN_STEPS = 64      # a plain stretch the decoder runs without asking (plain_run) ...
 PLAIN_RUN_MARGIN = 1.1    # ... where plain beats every shape by this much
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
+
+
+def draft_interval(drafted: int, every: int = DRAFT_PROBE_EVERY, measure: int = 0) -> int:
+    """The most steps between drafted steps after `drafted` of them: DRAFT_PROBE_FIRST until the
+    draft has `measure` own steps (the server asks DRAFT_MEASURE_STEPS, so that it judges its
+    draft within its first few hundred steps, at the price of ~32 steps that may lose, once),
+    then `every`."""
+    return min(DRAFT_PROBE_FIRST, every) if drafted < measure else every
 
 
 @dataclass
@@ -189,6 +199,7 @@ class AdaptivePolicy:
     probe_share: float = PROBE_SHARE           # 0: probe intervals ignore what a probe loses
     max_quiet_every: int = MAX_QUIET_EVERY
     draft_probe_every: int = DRAFT_PROBE_EVERY  # 0: no drafted step is forced
+    measure_steps: int = 0                     # drafted steps taken densely first (draft_interval)
     spec_margin: float = SPEC_MARGIN           # a speculative arm must beat plain by this share
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
     chosen: Counter = field(default_factory=Counter)
@@ -294,9 +305,10 @@ class AdaptivePolicy:
         ahead = PLAIN_RUN_STEPS
         if self.probe_every:
             ahead = min(ahead, self.next_probe - self.steps - window)
-        if self.draft_probe_every and self.shapes:
+        every = self.draft_every
+        if every:
             last = max(self.stats[a].last_step for a in self.shapes)
-            ahead = min(ahead, self.draft_probe_every - (self.steps - max(last, 0)) - window)
+            ahead = min(ahead, every - (self.steps - max(last, 0)) - window)
         return max(ahead, 0)
 
     def _plain_holds(self, margin: float = 1.0) -> bool:
@@ -405,12 +417,22 @@ class AdaptivePolicy:
         return self.costs.target(rows) + draft
 
     @property
-    def draft_due(self) -> bool:
-        """No drafted step in the last draft_probe_every steps (a policy with shapes)."""
+    def draft_every(self) -> int:
+        """The most steps between drafted steps now (0: none forced): draft_interval of the
+        drafted steps so far."""
         if not self.shapes or not self.draft_probe_every:
+            return 0
+        return draft_interval(sum(self.stats[a].steps for a in self.shapes), self.draft_probe_every,
+                              self.measure_steps)
+
+    @property
+    def draft_due(self) -> bool:
+        """No drafted step in the last draft_every steps (a policy with shapes)."""
+        every = self.draft_every
+        if not every:
             return False
         last = max(self.stats[a].last_step for a in self.shapes)
-        return self.steps - max(last, 0) >= self.draft_probe_every
+        return self.steps - max(last, 0) >= every
 
     def draft_within(self, steps: int) -> bool:
         """Whether a drafted step may come within `steps` steps: a shape leads or is untried, a
@@ -425,9 +447,10 @@ class AdaptivePolicy:
             return True
         if self.probe_every and self.next_probe - self.steps <= steps:
             return True
-        if self.draft_probe_every:
+        every = self.draft_every
+        if every:
             last = max(self.stats[a].last_step for a in self.shapes)
-            return self.draft_probe_every - (self.steps - max(last, 0)) <= steps
+            return every - (self.steps - max(last, 0)) <= steps
         return False
 
     # ------------------------------------------------------------------ feedback
