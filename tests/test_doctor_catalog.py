@@ -383,7 +383,7 @@ def test_draft_weights_lost(capsys):
     engine = LostDraftEngine(target, tokenizer(), max_model_len=256)
     engine.draft_name = "drafts/random-weights"
     with RunningServer(create_app(engine, model_name="tiny", api_key=KEY)) as s:
-        code = doctor_main(["--server", s.url, "--api-key", KEY, "--max-tokens", "12", "--json"])
+        code = doctor_main(["--server", s.url, "--api-key", KEY, "--max-tokens", "40", "--json"])
         health = get_json(s.url + "/health")
         metrics = get_text(s.url + "/metrics")
     report = json.loads(capsys.readouterr().out)
