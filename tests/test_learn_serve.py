@@ -192,3 +192,27 @@ def test_a_target_without_a_draft_gets_its_first_one_between_requests(pair, one_
     after = engine.generate(prompt_ids=ids, params=params)
     assert after.token_ids == before.token_ids
     assert any(s.arm.startswith("tree") for s in after.decode_steps)     # the draft's trees now run
+
+
+def test_a_busy_server_stops_its_learner_at_once_and_continues_it_when_idle(tmp_path):
+    """The learner pauses between its steps only; a step under way ran on beside the requests. So
+    the server stops the process itself while busy (SIGSTOP) and continues it when idle."""
+    import subprocess
+    import sys
+    import time
+    learn = controller(tmp_path)
+
+    def state() -> str:                                           # R running, T stopped
+        return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    proc = learn.learner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        learn.set_busy(True)
+        time.sleep(0.2)
+        assert state() == "T"                                     # stopped
+        learn.set_busy(False)
+        time.sleep(0.2)
+        assert state() == "R"                                     # running again
+        learn.stop()
+        assert proc.wait(10) is not None                          # a stopped one would not end
+    finally:
+        proc.kill()

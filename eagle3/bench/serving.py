@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import functools
 import math
 import os
 import socket
@@ -95,9 +96,20 @@ class Result:
 
 
 # ---------------------------------------------------------------------------- one request
+@functools.lru_cache(maxsize=None)
+def served_model(url: str) -> str:
+    """The model name a server answers to: the first of its /v1/models (a server of ours started
+    here serves MODEL_NAME; one given by --url, whatever it was started with)."""
+    try:
+        models = httpx.get(url + "/v1/models", timeout=30).json().get("data") or []
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return MODEL_NAME
+    return models[0].get("id", MODEL_NAME) if models and isinstance(models[0], dict) else MODEL_NAME
+
+
 async def stream_request(client: httpx.AsyncClient, url: str, text: str, tokens: int,
                          temperature: float, seed: int, index: int) -> RequestTiming:
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": text}], "stream": True,
+    body = {"model": served_model(url), "messages": [{"role": "user", "content": text}], "stream": True,
             "max_tokens": tokens, "temperature": temperature, "seed": seed, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
@@ -396,8 +408,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="passes over every cell (the machine's speed drifts: each ratio is taken "
                         "within a round, and the summary is the median over rounds)")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--url", default=None, help="bench this running server instead (model name "
-                                               f"'{MODEL_NAME}' or any it accepts)")
+    p.add_argument("--url", default=None, help="bench this running server instead (the first model "
+                                               "its /v1/models lists)")
     p.add_argument("--start-timeout", type=float, default=600.0)
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="vLLM's pinned cores (default: all this process may use; ours uses them all)")
