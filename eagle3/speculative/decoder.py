@@ -146,6 +146,7 @@ class SpecDecoder:
         self._slack = cache_slack(self.shapes, self.suffix_only_tokens)
         self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []   # plain steps' (next id, feature)
         self.plain_left = 0            # steps of a plain stretch still to run (policy.plain_run)
+        self._expected: Optional[float] = None   # expected_ms of the stretch's first step
         self.draft_offset = 0          # tokens before the draft cache's row 0 (a restart drops them)
         self.levels = 0                                              # draft forwards this step
         self.caught_up: Optional[tuple[int, float]] = None           # this step's catch-up: rows, ms
@@ -158,8 +159,14 @@ class SpecDecoder:
     @property
     def expected_ms(self) -> Optional[float]:
         """The last policy step's cost by the policy's table, catch-up included: what the thread
-        governor weighs the step's time by (a tree step costs several plain ones)."""
-        return None if self.last_run is None else self.policy.step_cost_ms(*self.last_run)
+        governor weighs the step's time by (a tree step costs several plain ones). Inside a plain
+        stretch the value of its first step serves the rest."""
+        if self.last_run is None:
+            return None
+        if self.plain_left and self._expected is not None:
+            return self._expected
+        self._expected = self.policy.step_cost_ms(*self.last_run)
+        return self._expected
 
     @property
     def slack(self) -> int:
@@ -224,6 +231,7 @@ class SpecDecoder:
             self.shadow = Shadow(conts, match, 1 + min(budget, sum(map(len, conts))))
         self._judge_shadow(step.tokens)
         self.last_run = (arm, step.proposed + 1, self.levels, self.caught_up[0] if self.caught_up else 0)
+        self._expected = None
         if self.caught_up is not None:
             # the draft's catch-up over rows that plain / suffix-only steps left is the price of
             # coming back to drafting, paid once per return whatever the shape: charged to the
@@ -250,9 +258,10 @@ class SpecDecoder:
         self.plain_left -= 1
         t0 = time.perf_counter()
         step = self.plain_step(capture=False)
-        self._judge_shadow(step.tokens)
+        if self.shadow is not None:
+            self._judge_shadow(step.tokens)
         self.policy.observe(PLAIN, step, 0, 1e3 * (time.perf_counter() - t0), timed=self.timed)
-        return step._replace(arm=PLAIN)
+        return step
 
     def _judge_shadow(self, tokens: list[int]) -> None:
         """Feed the emitted tokens to the block being judged; once known, the policy gets what it
@@ -285,7 +294,7 @@ class SpecDecoder:
         token = int(self.root)
         if self.suffix is not None:
             self.suffix.extend([token])
-        return Step([token], 0, verify_s=time.perf_counter() - t0)
+        return Step([token], 0, verify_s=time.perf_counter() - t0, arm=PLAIN)
 
     def suffix_only_candidates(self) -> tuple[list[list[int]], int, int]:
         """The continuations a suffix-only step would verify now (empty: no match, or no such arm),
