@@ -42,7 +42,7 @@ from ..generate import encode_prompt
 from ..generate.batch import PREFILL_CHUNK, PREFIX_CACHE_TOKENS, BatchScheduler
 from ..generate.serial import SerialScheduler
 from ..speculative.monitor import DRAFT_COLLAPSED_MESSAGE, DraftWatch
-from ..speculative.policy import DRAFT_MEASURE_STEPS
+from ..speculative.policy import DRAFT_MEASURE_STEPS, DRAFT_PROBE_EVERY
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (APIError, ChatCompletionRequest, CompletionRequest, error_body, parse_request,
                        requested_max_tokens, sampling_params)
@@ -474,10 +474,11 @@ def add_error_handlers(app: FastAPI) -> None:
 def measure_draft(engine, scheduler) -> None:
     """The server judges its draft early: its first DRAFT_MEASURE_STEPS own steps come densely
     (policy.draft_interval), solo and in the batch, so /health and `eagle3 doctor --server` see a
-    broken draft within a few hundred steps even where the adaptive step would not ask it."""
+    broken draft within a few hundred steps even where the adaptive step would not ask it; then
+    at least every DRAFT_PROBE_EVERY steps, so a draft lost mid-run is seen too."""
     if getattr(engine, "draft", None) is None:
         return
     for policy in getattr(engine, "policies", {}).values():
-        policy.measure_steps = DRAFT_MEASURE_STEPS
+        policy.measure_steps, policy.draft_probe_every = DRAFT_MEASURE_STEPS, DRAFT_PROBE_EVERY
     if isinstance(scheduler, BatchScheduler):
         scheduler.draft_measure = DRAFT_MEASURE_STEPS

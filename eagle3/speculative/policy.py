@@ -121,10 +121,11 @@ SPEC_MARGIN = 0.03        # a speculative arm is taken over plain decoding only 
 CATCH_UP_PRIOR_ROWS = 64  # the draft's catch-up predicted before any was seen (decoder.CATCH_UP_WINDOW)
 DRAFT_MEASURE_STEPS = 32  # the draft's own steps a server needs to judge it (monitor.DraftWatch);
 DRAFT_PROBE_FIRST = 4     # until it has them, a drafted step at least every this many steps ...
-DRAFT_PROBE_EVERY = 512   # ... then at least this often, whatever the averages say: the
+DRAFT_PROBE_EVERY = 512   # ... then at least this often, whatever the averages say: a server's
                           # draft's own acceptance stays measured (/health, eagle3 doctor --server),
                           # so a draft gone bad (random or lost weights) is seen, not hidden behind
-                          # plain steps (~0.3% of the time at T=1)
+                          # plain steps. Only a server asks it (serve.app.measure_draft): nothing
+                          # reads it elsewhere, and at T=1 each forced step costs 2-3 plain ones
 PROBE_SHARE = 0.01        # a probe's predicted loss may cost at most this share of the time between
 MAX_QUIET_EVERY = 2048    # ... probes, which still come at least this often (in steps)
 SAMPLED_PROBE_SHARE = 0.0025   # ... for sampled requests, where plain decoding wins ~96% of the
@@ -198,7 +199,7 @@ class AdaptivePolicy:
     probe_steps: int = 1                       # steps an arm runs when first tried or probed
     probe_share: float = PROBE_SHARE           # 0: probe intervals ignore what a probe loses
     max_quiet_every: int = MAX_QUIET_EVERY
-    draft_probe_every: int = DRAFT_PROBE_EVERY  # 0: no drafted step is forced
+    draft_probe_every: int = 0                 # a drafted step at least this often (0: none forced)
     measure_steps: int = 0                     # drafted steps taken densely first (draft_interval)
     spec_margin: float = SPEC_MARGIN           # a speculative arm must beat plain by this share
     stats: dict = field(default_factory=dict)  # arm -> ArmStats
