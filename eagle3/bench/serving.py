@@ -100,11 +100,12 @@ class Result:
 def served_model(url: str) -> str:
     """The model name a server answers to: the first of its /v1/models (a server of ours started
     here serves MODEL_NAME; one given by --url, whatever it was started with)."""
-    try:
-        models = httpx.get(url + "/v1/models", timeout=30).json().get("data") or []
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return MODEL_NAME
-    return models[0].get("id", MODEL_NAME) if models and isinstance(models[0], dict) else MODEL_NAME
+    r = httpx.get(url + "/v1/models", timeout=30)
+    models = r.json().get("data") if r.status_code == 200 else None
+    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+        raise SystemExit(f"{url}/v1/models (HTTP {r.status_code}) lists no model id: {r.text[:200]!r}; "
+                         "bench an OpenAI-compatible server")
+    return models[0]["id"]
 
 
 async def stream_request(client: httpx.AsyncClient, url: str, text: str, tokens: int,

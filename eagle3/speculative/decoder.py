@@ -398,13 +398,18 @@ class SpecDecoder:
         rows kept (all the catch-up reads), so a long plain stretch holds a bounded list."""
         self.pending.append((next_ids, features))
         if len(self.pending) > CATCH_UP_WINDOW:        # each entry holds a row or more
-            ids = torch.cat([i for i, _ in self.pending])
-            feats = torch.cat([f for _, f in self.pending])
-            if ids.numel() <= CATCH_UP_WINDOW:
-                self.pending = [(ids, feats)]
-            else:
-                self._restart(self.draft_offset + self.draft_cache.length + ids.numel() - CATCH_UP_WINDOW,
-                              [(ids[-CATCH_UP_WINDOW:], feats[-CATCH_UP_WINDOW:])])
+            self.pending = [self._joined_waiting()]
+
+    def _joined_waiting(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The waiting rows as one (next ids, features) block of at most CATCH_UP_WINDOW rows:
+        more, and the draft restarts from the latest of them (`_restart`, the rows before
+        dropped)."""
+        ids = torch.cat([i for i, _ in self.pending])
+        feats = torch.cat([f for _, f in self.pending])
+        if ids.numel() > CATCH_UP_WINDOW:
+            self._restart(self.draft_offset + self.draft_cache.length + ids.numel() - CATCH_UP_WINDOW, [])
+            ids, feats = ids[-CATCH_UP_WINDOW:], feats[-CATCH_UP_WINDOW:]
+        return ids, feats
 
     def _restart(self, position: int, rows: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The draft starts again at token `position` from an empty cache, `rows` (that token's and
@@ -419,14 +424,9 @@ class SpecDecoder:
         CATCH_UP_WINDOW of them alone (`restart`), so the way back costs a bounded forward."""
         if self.pending:
             t0 = time.perf_counter()
-            ids = torch.cat([i for i, _ in self.pending])
-            feats = torch.cat([f for _, f in self.pending])
+            ids, feats = self._joined_waiting()
             self.pending = []
-            start = self.draft_cache.length
-            if ids.numel() > CATCH_UP_WINDOW:        # restart: rows of the latest tokens alone
-                self.draft_offset += start + ids.numel() - CATCH_UP_WINDOW
-                ids, feats, start = ids[-CATCH_UP_WINDOW:], feats[-CATCH_UP_WINDOW:], 0
-            self._extend(ids, feats, start)
+            self._extend(ids, feats, self.draft_cache.length)
             self.levels -= 1
             self.caught_up = (ids.numel(), 1e3 * (time.perf_counter() - t0))
 

@@ -55,6 +55,7 @@ Choosing never changes what is emitted: every arm is lossless.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional, Union
@@ -303,14 +304,7 @@ class AdaptivePolicy:
         plain stretch) and reports each with `observe`, as any step."""
         if not self._plain_holds(PLAIN_RUN_MARGIN):
             return 0
-        ahead = PLAIN_RUN_STEPS
-        if self.probe_every:
-            ahead = min(ahead, self.next_probe - self.steps - window)
-        every = self.draft_every
-        if every:
-            last = max(self.stats[a].last_step for a in self.shapes)
-            ahead = min(ahead, every - (self.steps - max(last, 0)) - window)
-        return max(ahead, 0)
+        return max(min(PLAIN_RUN_STEPS, self._next_drafted_in() - window), 0)
 
     def _plain_holds(self, margin: float = 1.0) -> bool:
         """The choice below is PLAIN again, decided from what a plain step can change (plain's
@@ -417,6 +411,21 @@ class AdaptivePolicy:
         draft = levels * self.costs.draft(arm.top_k) if isinstance(arm, SpecParams) else 0.0
         return self.costs.target(rows) + draft
 
+    def _next_drafted_in(self) -> float:
+        """Steps from now to the next probe or forced drafted step, whichever comes first (inf:
+        neither is scheduled)."""
+        ahead = self.next_probe - self.steps if self.probe_every else math.inf
+        forced = self._forced_in()
+        return ahead if forced is None else min(ahead, forced)
+
+    def _forced_in(self) -> Optional[int]:
+        """Steps from now to the next forced drafted step (<= 0: due; None: none forced)."""
+        every = self.draft_every
+        if not every:
+            return None
+        last = max(self.stats[a].last_step for a in self.shapes)
+        return every - (self.steps - max(last, 0))
+
     @property
     def draft_every(self) -> int:
         """The most steps between drafted steps now (0: none forced): draft_interval of the
@@ -429,11 +438,8 @@ class AdaptivePolicy:
     @property
     def draft_due(self) -> bool:
         """No drafted step in the last draft_every steps (a policy with shapes)."""
-        every = self.draft_every
-        if not every:
-            return False
-        last = max(self.stats[a].last_step for a in self.shapes)
-        return self.steps - max(last, 0) >= every
+        forced = self._forced_in()
+        return forced is not None and forced <= 0
 
     def draft_within(self, steps: int) -> bool:
         """Whether a drafted step may come within `steps` steps: a shape leads or is untried, a
@@ -446,13 +452,7 @@ class AdaptivePolicy:
             return True
         if any(self.stats[a].steps < self.probe_steps for a in self.shapes):
             return True
-        if self.probe_every and self.next_probe - self.steps <= steps:
-            return True
-        every = self.draft_every
-        if every:
-            last = max(self.stats[a].last_step for a in self.shapes)
-            return every - (self.steps - max(last, 0)) <= steps
-        return False
+        return self._next_drafted_in() <= steps
 
     # ------------------------------------------------------------------ feedback
     @property
