@@ -21,7 +21,7 @@ def run(gate: BatchGate, efficiency, steps: int) -> list[bool]:
         if gate.on:
             gate.observe(1, 1, PLAIN_MS / efficiency(i), PLAIN_MS)
         else:
-            gate.observe_plain(PLAIN_MS, PLAIN_MS - 1.0)
+            gate.observe_plain(PLAIN_MS, PLAIN_MS)       # the model prices plain steps right
     return on
 
 
@@ -135,4 +135,66 @@ def test_plain_decoding_is_measured_by_checks_while_speculation_is_on():
             steady.observe_plain(10.0, 10.0)
         else:
             steady.observe(2, 1, 10.0, steady.plain_ms(10.0))
-    assert steady.on and [b - a for a, b in zip(gaps, gaps[1:])] == [CHECK_EVERY] * (len(gaps) - 1)
+    from eagle3.speculative.gate import START_CHECKS, START_GAP
+    steps = [b - a for a, b in zip(gaps, gaps[1:])]    # the start's checks close together, then sparse
+    start = START_CHECKS - 1                           # (one was seen before the loop)
+    assert steady.on and steps[:start - 1] == [START_GAP] * (start - 1)
+    assert steps[start:] == [CHECK_EVERY] * (len(steps) - start)
+
+
+def test_one_odd_check_at_the_start_does_not_keep_a_loss_on():
+    """The first decode step of a server's batch took 1.8x the model (the server answering 16 new
+    streams beside it); the plain steps after it cost what the model says, and speculation runs at
+    0.92x plain. The start's calibration is the median of its checks, and the speculative steps'
+    average is read by the calibration as it stands: speculation goes off within the start's
+    trial and a first probe, not ~140 steps later."""
+    gate = BatchGate()
+    model_ms, on = 10.0, []
+    for i in range(160):
+        on.append(gate.on)
+        if not gate.on or gate.check_due:
+            gate.observe_plain(18.0 if i == 0 else model_ms, model_ms)
+        else:
+            gate.observe(1, 1, model_ms / 0.92, gate.plain_ms(model_ms))
+    assert gate.calibration == pytest.approx(1.0)
+    assert all(on[:11]) and not any(on[11:43])        # the start's trial (8 steps and 3 checks), off
+    assert sum(on) == 11 + 8 + 8                       # then two probes in 160 steps
+
+
+def test_a_later_check_corrects_the_speculative_average_at_once():
+    """Steps judged against a calibration that a later check corrects are read by the new one:
+    the average is kept against the model, not against the calibration of its time."""
+    gate = BatchGate(probe_steps=2)
+    for _ in range(3):
+        gate.observe_plain(20.0, 10.0)                 # plain steps 2x the model (so far)
+    for _ in range(2):
+        gate.observe(1, 1, 18.0, gate.plain_ms(10.0))  # 1.11x of what plain seemed to cost
+    assert gate.on and gate.efficiency == pytest.approx(20.0 / 18.0)
+    for _ in range(30):
+        gate.observe_plain(12.0, 10.0)                 # plain steps measured again: 1.2x the model
+    assert gate.efficiency == pytest.approx(12.0 / 18.0, rel=0.05)
+
+
+def test_metrics_show_the_gate_as_it_stands():
+    """/metrics reads the gate at scrape time: whether the batch speculates, its efficiency and
+    the steps it judged by kind move with the gate."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from eagle3.serve.metrics import ServerMetrics
+    gate = BatchGate(probe_steps=4, first_interval=8, max_interval=64)
+    metrics = ServerMetrics(max_depth=4)
+    metrics.watch_gate(gate.summary)
+
+    def scrape() -> dict:
+        text = metrics.render().decode()
+        return {(s.name, s.labels.get("kind")): s.value for fam in text_string_to_metric_families(text)
+                for s in fam.samples if s.name.startswith("eagle3:batch_")}
+    before = scrape()
+    assert before[("eagle3:batch_speculation_on", None)] == 1.0
+    run(gate, lambda i: 0.9, 10)                 # a losing start: off after its 4 steps
+    after = scrape()
+    assert after[("eagle3:batch_speculation_on", None)] == 0.0
+    assert after[("eagle3:batch_gate_efficiency", None)] == pytest.approx(gate.efficiency, abs=1e-3)
+    assert gate.efficiency < 1.0
+    assert {k: after[("eagle3:batch_gate_steps", k)] for k in ("on", "off", "switches_off")} == \
+        {"on": 4.0, "off": 6.0, "switches_off": 1.0}

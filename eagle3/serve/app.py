@@ -154,6 +154,8 @@ class Server:
         self.worker = EngineWorker(scheduler, max_queue, self.after_job, on_step)
         self.metrics.watch_queue(lambda: self.worker.waiting, lambda: self.worker.busy,
                                  lambda: self.degraded)
+        if isinstance(scheduler, BatchScheduler) and scheduler.gate is not None:
+            self.metrics.watch_gate(scheduler.gate.summary)
         self.created = int(time.time())
         self.acceptance: Optional[dict] = None      # monitor snapshot after the last job
         self.learn = learn

@@ -24,6 +24,9 @@
 | eagle3:learn_draft_version, eagle3:learn_swaps, eagle3:learn_rollbacks | gauge | `--learn`: the served draft version (DIR/drafts/vN), swaps and rollbacks since start |
 | eagle3:learn_captured_tokens | gauge | `--learn`: tokens in the captured traffic shards written |
 | eagle3:learn_learner_state{state} | gauge | `--learn`: 1 for the learner's state (idle, running, paused, failed) |
+| eagle3:batch_speculation_on | gauge | `--max-batch` > 1 with a draft: 1 while the batch gate lets the batch speculate |
+| eagle3:batch_gate_efficiency | gauge | the gate's rolling tokens/s of speculative steps over plain decoding's |
+| eagle3:batch_gate_steps{kind} | gauge | batch steps the gate judged: on (speculative), off (plain), checks (plain, while on), probes, switches_off |
 
 The spec_decode counters take every decode step the engine ran, cancelled requests included, like
 the acceptance monitor behind /health, so the two always agree.
@@ -113,6 +116,17 @@ class ServerMetrics:
         state = Gauge("eagle3:learn_learner_state", "1 for the learner's state", ["state"], registry=r)
         for name in ("idle", "running", "paused", "failed"):
             state.labels(state=name).set_function(lambda n=name: float(snapshot()["learner_state"] == n))
+
+    def watch_gate(self, summary: Callable[[], dict]) -> None:
+        """The batch gate's state (speculative.gate.BatchGate.summary), read at scrape time."""
+        r = self.registry
+        Gauge("eagle3:batch_speculation_on", "1 while the batch speculates",
+              registry=r).set_function(lambda: float(summary()["speculating"]))
+        Gauge("eagle3:batch_gate_efficiency", "Speculative steps' tokens/s over plain decoding's",
+              registry=r).set_function(lambda: float(summary()["efficiency"]))
+        steps = Gauge("eagle3:batch_gate_steps", "Batch steps the gate judged, by kind", ["kind"], registry=r)
+        for kind in ("on", "off", "checks", "probes", "switches_off"):
+            steps.labels(kind=kind).set_function(lambda k=kind: float(summary()[k]))
 
     def observe_steps(self, decode_steps: Sequence[Step]) -> None:
         """Speculation counters from decode steps (prefill excluded), finished or cancelled."""
