@@ -272,3 +272,17 @@ def test_a_rejected_candidate_keeps_its_weights_but_not_the_service(learn_dir, o
     assert card["status"] == "rejected" and versions.current(root) == 0
     assert (root / "drafts" / "v1" / "model.safetensors").is_file()
     assert versions.card(root, 1)["gate"]["candidate"]["est_tau"] >= 1.0
+
+
+def test_a_served_draft_is_fine_tuned_gently_and_a_first_draft_is_not(tmp_path):
+    """The round's peak lr: FINE_TUNE_LR when it starts from a served draft (3e-4 first undid what
+    the shipped draft knew), FIRST_DRAFT_LR for a first draft; a configured lr wins over both."""
+    from eagle3.learn.learner import FIRST_DRAFT_LR, FINE_TUNE_LR, LearnConfig, train_config
+    served = tmp_path / "v0"
+    tune = train_config(LearnConfig(str(tmp_path)), tmp_path / "r", [tmp_path / "t.jsonl"], tmp_path / "h.jsonl", served)
+    first = train_config(LearnConfig(str(tmp_path)), tmp_path / "r", [tmp_path / "t.jsonl"], tmp_path / "h.jsonl", None)
+    assert (tune.lr, tune.init_from, first.lr, first.init_from) == (FINE_TUNE_LR, str(served), FIRST_DRAFT_LR, None)
+    assert FINE_TUNE_LR < FIRST_DRAFT_LR
+    set_lr = train_config(LearnConfig(str(tmp_path), lr=1e-4), tmp_path / "r", [tmp_path / "t.jsonl"],
+                          tmp_path / "h.jsonl", served)
+    assert set_lr.lr == 1e-4

@@ -23,7 +23,8 @@ def add_learn_args(ap: argparse.ArgumentParser) -> None:
                     "mixed into every round")
     ap.add_argument("--replay-share", type=float, default=LearnConfig.replay_share)
     ap.add_argument("--epochs", type=int, default=LearnConfig.epochs)
-    ap.add_argument("--lr", type=float, default=LearnConfig.lr)
+    ap.add_argument("--lr", type=float, default=None,
+                    help="peak lr (default: 5e-5 fine-tuning a served draft, 3e-4 for a first draft)")
     ap.add_argument("--margin", type=float, default=LearnConfig.margin)
     ap.add_argument("--heldout-fraction", type=float, default=LearnConfig.heldout_fraction)
     ap.add_argument("--autocast", default=LearnConfig.autocast, choices=["bf16", "none"])
