@@ -473,3 +473,24 @@ def test_bench_serve_is_the_serving_bench_with_the_products_defaults(tmp_path):
     assert (args.weights, args.max_batch, args.out.parts[0]) == ("auto", [16], "runs")
     with pytest.raises(SystemExit, match="unknown"):
         bench_main(["serve", "--systems", "ours,sglang", "--out", str(tmp_path)])
+
+
+def test_bench_serve_reverses_the_servers_order_every_other_round(monkeypatch):
+    """Two identical plain servers, the second always after the first, read 1.01-1.05x apart in 7
+    of 8 cells: each system runs a cell first in half the rounds."""
+    from types import SimpleNamespace
+
+    from eagle3.bench import serving
+    order = []
+    monkeypatch.setattr(serving, "warm_up", lambda *a: None)
+    monkeypatch.setattr(serving, "reset_prefix_cache", lambda url: True)
+
+    async def clients(url, prompts, n, tokens, temp):
+        order.append(url)
+        return [], 1.0
+    monkeypatch.setattr(serving, "run_clients", clients)
+    monkeypatch.setattr(serving, "summarize", lambda *a: a)
+    monkeypatch.setattr(serving, "table", lambda rows: "\n")
+    args = SimpleNamespace(rounds=3, temperatures=[0.0], clients=[4, 8], tokens=8)
+    serving.bench_servers(args, [("ours", 16, "a"), ("ours-eagle3", 16, "b")], ["p"])
+    assert order == ["a", "b", "a", "b", "b", "a", "b", "a", "a", "b", "a", "b"]

@@ -285,4 +285,7 @@ def test_a_served_draft_is_fine_tuned_gently_and_a_first_draft_is_not(tmp_path):
     assert FINE_TUNE_LR < FIRST_DRAFT_LR
     set_lr = train_config(LearnConfig(str(tmp_path), lr=1e-4), tmp_path / "r", [tmp_path / "t.jsonl"],
                           tmp_path / "h.jsonl", served)
-    assert set_lr.lr == 1e-4
+    assert set_lr.lr == 1e-4 and set_lr.eval_every == 0       # the gate alone reads the held-out part
+    curve = train_config(LearnConfig(str(tmp_path), eval_every=16), tmp_path / "r", [tmp_path / "t.jsonl"],
+                         tmp_path / "h.jsonl", served)
+    assert curve.eval_every == 16 and curve.eval_data == str(tmp_path / "h.jsonl")

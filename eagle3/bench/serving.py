@@ -363,17 +363,24 @@ def reset_prefix_cache(url: str) -> bool:
         return False
 
 
+def in_turn(servers: list, rnd: int) -> list:
+    """The order the servers run a cell in round `rnd`: as given, reversed in odd rounds."""
+    return list(servers) if rnd % 2 == 0 else list(reversed(servers))
+
+
 def bench_servers(args, servers: list[tuple[str, Optional[int], str]], prompts: list[str]) -> list[Result]:
     """Every (temperature, clients) cell on each of `servers` ((system, max_batch, url)) back to
-    back, so that a machine whose speed drifts over the run shifts every system alike; each
-    of our servers' prefix caches emptied before each of its cells."""
+    back, so that a machine whose speed drifts over the run shifts every system alike, the
+    servers' order reversed every other round (two identical plain servers, the second always
+    after the first: the second 1.01-1.05x the first in 7 of 8 cells, 2026-12-06); each of our
+    servers' prefix caches emptied before each of its cells."""
     for _, _, url in servers:
         warm_up(args, url, prompts)
     results = []
     for rnd in range(args.rounds):
         for temp in args.temperatures:
             for clients in args.clients:
-                for system, max_batch, url in servers:
+                for system, max_batch, url in in_turn(servers, rnd):
                     if system.startswith("ours") and not reset_prefix_cache(url):
                         raise SystemExit(f"{system}: POST /reset_prefix_cache refused: its prefix "
                                          "cache would carry the previous cell's prompts")

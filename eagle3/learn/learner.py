@@ -63,6 +63,7 @@ class LearnConfig:
     checkpoint_s: float = 30.0
     autocast: str = "bf16"
     draft_vocab_size: int = 8192         # a first draft only (a served draft keeps its own)
+    eval_every: int = 0                  # held-out est. tau in the round's train_log every N steps
 
     @property
     def dir(self) -> Path:
@@ -210,7 +211,7 @@ def train_config(cfg: LearnConfig, rdir: Path, files: list[Path], heldout: Path,
                        eval_data=str(heldout), features_dir=str(cfg.dir / "features"),
                        init_from=str(served) if served else None, epochs=cfg.epochs, lr=peak_lr(cfg, served),
                        warmup_steps=10, batch_size=cfg.batch_size, max_len=cfg.max_len,
-                       eval_every=0, checkpoint_every_s=cfg.checkpoint_s, autocast=cfg.autocast,
+                       eval_every=cfg.eval_every, checkpoint_every_s=cfg.checkpoint_s, autocast=cfg.autocast,
                        draft_vocab_size=cfg.draft_vocab_size, threads=1)
 
 

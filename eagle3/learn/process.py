@@ -28,11 +28,14 @@ def add_learn_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--margin", type=float, default=LearnConfig.margin)
     ap.add_argument("--heldout-fraction", type=float, default=LearnConfig.heldout_fraction)
     ap.add_argument("--autocast", default=LearnConfig.autocast, choices=["bf16", "none"])
+    ap.add_argument("--eval-every", type=int, default=LearnConfig.eval_every,
+                    help="log the held-out est. tau every N training steps (0: the gate's alone)")
 
 
 def config_from(args: argparse.Namespace, root: Path) -> LearnConfig:
     return LearnConfig(str(root), args.model, args.heldout_fraction, args.replay, args.replay_share,
-                       args.epochs, args.lr, margin=args.margin, autocast=args.autocast)
+                       args.epochs, args.lr, margin=args.margin, autocast=args.autocast,
+                       eval_every=args.eval_every)
 
 
 def load_reference(model: Optional[str]):
