@@ -278,14 +278,14 @@ def test_a_served_draft_is_fine_tuned_gently_and_a_first_draft_is_not(tmp_path):
     """The round's peak lr: FINE_TUNE_LR when it starts from a served draft (3e-4 first undid what
     the shipped draft knew), FIRST_DRAFT_LR for a first draft; a configured lr wins over both."""
     from eagle3.learn.learner import FIRST_DRAFT_LR, FINE_TUNE_LR, LearnConfig, train_config
-    served = tmp_path / "v0"
-    tune = train_config(LearnConfig(str(tmp_path)), tmp_path / "r", [tmp_path / "t.jsonl"], tmp_path / "h.jsonl", served)
-    first = train_config(LearnConfig(str(tmp_path)), tmp_path / "r", [tmp_path / "t.jsonl"], tmp_path / "h.jsonl", None)
-    assert (tune.lr, tune.init_from, first.lr, first.init_from) == (FINE_TUNE_LR, str(served), FIRST_DRAFT_LR, None)
-    assert FINE_TUNE_LR < FIRST_DRAFT_LR
-    set_lr = train_config(LearnConfig(str(tmp_path), lr=1e-4), tmp_path / "r", [tmp_path / "t.jsonl"],
-                          tmp_path / "h.jsonl", served)
+    served, held = tmp_path / "v0", tmp_path / "h.jsonl"
+
+    def config(served, **kw):
+        return train_config(LearnConfig(str(tmp_path), **kw), tmp_path / "r", [tmp_path / "t.jsonl"], held, served)
+    tune, first = config(served), config(None)
+    assert (tune.lr, tune.init_from) == (FINE_TUNE_LR, str(served))
+    assert (first.lr, first.init_from) == (FIRST_DRAFT_LR, None) and FINE_TUNE_LR < FIRST_DRAFT_LR
+    set_lr = config(served, lr=1e-4)
     assert set_lr.lr == 1e-4 and set_lr.eval_every == 0       # the gate alone reads the held-out part
-    curve = train_config(LearnConfig(str(tmp_path), eval_every=16), tmp_path / "r", [tmp_path / "t.jsonl"],
-                         tmp_path / "h.jsonl", served)
-    assert curve.eval_every == 16 and curve.eval_data == str(tmp_path / "h.jsonl")
+    curve = config(served, eval_every=16)
+    assert curve.eval_every == 16 and curve.eval_data == str(held)
