@@ -234,3 +234,17 @@ def test_suffix_only_blocks_need_a_match_of_the_policys_length(target, reference
         result = engine.generate(prompt_ids=PROMPT, params=GREEDY)
         assert result.token_ids == reference
         assert any(s.arm == "suffix" for s in result.decode_steps) == some
+
+
+def test_a_server_starts_on_a_draftless_speculative_engine():
+    """`eagle3 serve --draft suffix` (and a model with no shipped draft) speculates with suffix-only
+    blocks and no tree settings: the server came up with an AttributeError on the missing tree
+    depth. Its metrics count acceptance up to a suffix-only block's tokens."""
+    from eagle3.generate import Engine
+    from eagle3.serve import create_app
+    from serve_fixtures import tiny_target as served, tokenizer
+    engine = Engine(served(), tokenizer(), max_model_len=256, policy=draftless_policy)
+    assert engine.speculative and engine.spec is None
+    for batch in (1, 4):
+        server = create_app(engine, model_name="tiny", max_batch=batch).state.server
+        assert server.depth == draftless_policy(True).suffix_only_tokens > 0

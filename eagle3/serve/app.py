@@ -99,8 +99,13 @@ def prompt_chars(req, chat: bool) -> int:
 
 
 def spec_depth(engine) -> int:
-    """Draft depth of the engine's tree settings (0 without a draft)."""
-    return int(engine.spec.depth) if engine.speculative else 0
+    """Draft depth of the engine's tree settings; a draftless engine's (`--draft suffix`, a model
+    with no shipped draft): its suffix-only blocks' tokens; 0 without speculation."""
+    if not engine.speculative:
+        return 0
+    if engine.spec is not None:
+        return int(engine.spec.depth)
+    return max((p.suffix_only_tokens for p in getattr(engine, "policies", {}).values()), default=0)
 
 
 def batch_mode(engine, max_batch: int) -> tuple[int, str]:
