@@ -304,7 +304,7 @@ LIVE_SGLANG = LiveFacts(
     accept_length_gauge="sglang:spec_accept_length", metrics_flag="--enable-metrics")
 LIVE_EAGLE3 = LiveFacts(
     "eagle3", "eagle3 serve", detect=(("/health", "speculative"),), info_routes=("/health",),
-    settings=("speculative", "spec"), drafts="eagle3:spec_decode_num_drafts",
+    settings=("speculative", "spec", "suffix_only_tokens"), drafts="eagle3:spec_decode_num_drafts",
     draft_tokens="eagle3:spec_decode_num_draft_tokens",
     accepted="eagle3:spec_decode_num_accepted_tokens",
     per_position="eagle3:spec_decode_num_accepted_tokens_per_pos", first_position=1,

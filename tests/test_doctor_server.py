@@ -105,6 +105,18 @@ def test_speculation_configured_but_never_run(target):
         in spec.message
 
 
+def test_a_draftless_server_without_blocks_warns_and_does_not_fail(target):
+    """`eagle3 serve --draft suffix` (or a model with no shipped draft) speculates only where the
+    text repeats: no block over the doctor's prompts is a warning that names the way to a draft,
+    not a failure, and no tau is judged (/health names suffix_only_tokens, not a tree)."""
+    from test_spec_suffix import draftless_policy
+    with serve(Engine(target, tokenizer(), max_model_len=256, policy=draftless_policy)) as s:
+        report = run_server_doctor(s.url, KEY, settings=FAST)
+    spec = check(report, "server.speculation")
+    assert spec.status == "warn" and "without a draft" in spec.message and "--learn" in spec.fix
+    assert not any(c.name == "server.tau" for c in report.checks) and report.exit_code == 0
+
+
 def test_wrong_key_and_no_key(target):
     with serve(grouped(target)) as s:
         missing = run_server_doctor(s.url, None, settings=FAST)

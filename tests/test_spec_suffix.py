@@ -239,7 +239,8 @@ def test_suffix_only_blocks_need_a_match_of_the_policys_length(target, reference
 def test_a_server_starts_on_a_draftless_speculative_engine():
     """`eagle3 serve --draft suffix` (and a model with no shipped draft) speculates with suffix-only
     blocks and no tree settings: the server came up with an AttributeError on the missing tree
-    depth. Its metrics count acceptance up to a suffix-only block's tokens."""
+    depth, and /health answered 500 for the same reason. Its metrics count acceptance up to a
+    suffix-only block's tokens; /health names that size instead of a tree."""
     from eagle3.generate import Engine
     from eagle3.serve import create_app
     from serve_fixtures import tiny_target as served, tokenizer
@@ -248,3 +249,6 @@ def test_a_server_starts_on_a_draftless_speculative_engine():
     for batch in (1, 4):
         server = create_app(engine, model_name="tiny", max_batch=batch).state.server
         assert server.depth == draftless_policy(True).suffix_only_tokens > 0
+        health = server.health()                     # /health: no tree to name, the blocks' size
+        assert health["speculative"] and "spec" not in health
+        assert health["suffix_only_tokens"] == server.depth

@@ -11,6 +11,7 @@ before and after each phase, and gives a verdict:
 | server.reach/auth/ | the URL does not answer, times out, refuses the key, is not an OpenAI API, |
 | api/timeout/metrics| or its metrics do not parse (endpoint.ServerError)                         |
 | server.speculation | speculation is off (no counters, no draft) or configured but never ran     |
+|                    | (a draftless eagle3 serve with no suffix block: a warning, not a failure)  |
 | server.tau         | greedy tau <= fail_tau: (almost) nothing accepted; names the likely causes |
 | server.offline     | with --draft/--model:  far below what our own probe gets on the same pair  |
 | server.draft       | the draft's own steps (eagle3 serve: apart from suffix-only blocks, since  |
@@ -232,6 +233,12 @@ def speculation_check(info: ServerInfo, before: Counters, results: list[PhaseRes
         return failed(name, f"{info.label} is not speculating ({how})",
                       NOT_SPECULATING_FIX[info.engine.name])
     n = sum(len(r.phase.prompts) for r in results)
+    if not moved(before, after) and info.engine.name == "eagle3" and info.settings.get("suffix_only_tokens"):
+        return warned(name, f"{info.label} speculates without a draft ({how}, suffix-only blocks of "
+                            f"up to {info.settings['suffix_only_tokens']} tokens): none of the {n} "
+                            "requests repeated enough text for a block, as on text with little to copy",
+                      "serve a draft to speculate on any text: --draft DRAFT, or --learn DIR to "
+                      "learn a first one from the server's traffic")
     if not moved(before, after):
         return failed(name, f"speculation is configured ({how}) but no draft was verified during "
                             f"{n} requests", "check the server's log for why the draft is not run "
@@ -449,7 +456,7 @@ def measure(ep: Endpoint, model: Optional[str], s: ServerSettings, report: Docto
     report.probe = {"phases": [r.as_dict() for r in results]}
     spec = speculation_check(info, first, results, counters)
     report.checks.append(spec)
-    measured = Measured(results, server_tree(info, first), spec.status != "fail")
+    measured = Measured(results, server_tree(info, first), spec.status == "pass")
     if measured.speculating:
         greedy = [r for r in results if r.phase.greedy]
         report.checks.append(tau_check(info, greedy, s))

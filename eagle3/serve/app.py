@@ -234,10 +234,12 @@ class Server:
                 "speculative": self.engine.speculative,
                 "queue": {"waiting": self.worker.waiting, "running": self.worker.busy,
                           "max_batch": self.max_batch}}
-        if self.engine.speculative:       # the draft tree (eagle3 doctor --server compares offline)
-            spec = self.engine.spec
+        spec = self.engine.spec if self.engine.speculative else None
+        if spec is not None:              # the draft tree (eagle3 doctor --server compares offline)
             body["spec"] = {"top_k": spec.top_k, "depth": spec.depth,
                             "num_draft_tokens": spec.num_draft_tokens}
+        elif self.engine.speculative:     # draftless: suffix-only blocks, no tree
+            body["suffix_only_tokens"] = self.depth
         if self.acceptance is not None:
             body["acceptance"] = self.acceptance
         if self.draft_health() is not None:
