@@ -199,7 +199,7 @@ def test_muon_on_fc_and_midlayer_matrices_and_resume(target, samples, tmp_path):
                                         ("optimizer=sgd", "choose one of adamw, muon"),
                                         ("features=cache", "choose one of store, online"),
                                         ("feature_noise=-0.1", ">= 0"), ("draft_layers=0", ">= 1"),
-                                        ("max_tokens=0", "budget > 0")])
+                                        ("max_tokens=0", "budget > 0"), ("eval_every=-1", "eval_every=-1")])
 def test_a_bad_switch_is_refused_when_the_config_is_made(item, words):
     from eagle3.train.config import parse_override
     key, value = parse_override(item)

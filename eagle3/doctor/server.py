@@ -233,13 +233,14 @@ def speculation_check(info: ServerInfo, before: Counters, results: list[PhaseRes
         return failed(name, f"{info.label} is not speculating ({how})",
                       NOT_SPECULATING_FIX[info.engine.name])
     n = sum(len(r.phase.prompts) for r in results)
-    if not moved(before, after) and info.engine.name == "eagle3" and info.settings.get("suffix_only_tokens"):
-        return warned(name, f"{info.label} speculates without a draft ({how}, suffix-only blocks of "
-                            f"up to {info.settings['suffix_only_tokens']} tokens): none of the {n} "
-                            "requests repeated enough text for a block, as on text with little to copy",
-                      "serve a draft to speculate on any text: --draft DRAFT, or --learn DIR to "
-                      "learn a first one from the server's traffic")
     if not moved(before, after):
+        blocks = info.settings.get("suffix_only_tokens") if info.engine.name == "eagle3" else None
+        if blocks:                  # draftless: it speculates only where the text repeats
+            return warned(name, f"{info.label} speculates without a draft ({how}, suffix-only blocks "
+                                f"of up to {blocks} tokens): none of the {n} requests repeated enough "
+                                "text for a block, as on text with little to copy",
+                          "serve a draft to speculate on any text: --draft DRAFT, or --learn DIR to "
+                          "learn a first one from the server's traffic")
         return failed(name, f"speculation is configured ({how}) but no draft was verified during "
                             f"{n} requests", "check the server's log for why the draft is not run "
                             "(vLLM disables it above speculative_disable_by_batch_size; eagle3 serve "

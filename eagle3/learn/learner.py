@@ -202,7 +202,7 @@ def learn_round(cfg: LearnConfig, target, between: Optional[Callable[[], None]] 
         "traffic_shards": len(train_files), "traffic_tokens": traffic_tokens,
         "replay": str(replay) if replay else None,
         "replay_tokens": sum(len(s.ids) for s in load_conversations(replay, cfg.max_len)) if replay else 0,
-        "heldout_shards": len(plan["heldout"])}, steps_of(rdir), time.time() - t0)
+        "heldout_shards": len(plan["heldout"])}, steps_of(rdir), time.time() - t0, tcfg.lr)
 
 
 def train_config(cfg: LearnConfig, rdir: Path, files: list[Path], heldout: Path,
@@ -258,7 +258,7 @@ def gate_candidate(cfg: LearnConfig, target, candidate, served_path: Optional[Pa
 
 
 def publish(cfg: LearnConfig, plan: dict, candidate, target, gate, data: dict, steps: int,
-            seconds: float) -> dict:
+            seconds: float, lr: float) -> dict:
     from ..draft.formats import save_draft
     verdict, cand, served = gate
     root = cfg.dir
@@ -267,8 +267,7 @@ def publish(cfg: LearnConfig, plan: dict, candidate, target, gate, data: dict, s
     if verdict.passed or non_finite(candidate) is None:     # every finite candidate is kept
         save_draft(candidate, vdir, "specforge", target.config)
     body = {"status": "served" if verdict.passed else "rejected", "parent": plan["served"],
-            "round": plan["round"], "data": data, "steps": steps, "epochs": cfg.epochs,
-            "lr": peak_lr(cfg, versions.draft_path(root, plan["served"]) if plan["served"] is not None else None),
+            "round": plan["round"], "data": data, "steps": steps, "epochs": cfg.epochs, "lr": lr,
             "gate": {"passed": verdict.passed, "reason": verdict.reason, "margin": cfg.margin,
                      "candidate": cand, "served": served, "method": "chain estimate on held-out traffic"},
             "seconds": round(seconds, 1), "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

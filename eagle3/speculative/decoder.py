@@ -258,8 +258,7 @@ class SpecDecoder:
         self.plain_left -= 1
         t0 = time.perf_counter()
         step = self.plain_step(capture=False)
-        if self.shadow is not None:
-            self._judge_shadow(step.tokens)
+        self._judge_shadow(step.tokens)
         self.policy.observe(PLAIN, step, 0, 1e3 * (time.perf_counter() - t0), timed=self.timed)
         return step
 

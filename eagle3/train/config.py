@@ -90,6 +90,9 @@ class TrainConfig:
             raise InputError(f"lk_eta={self.lk_eta}, hass_weight={self.hass_weight}: both >= 0")
         if self.feature_noise < 0:
             raise InputError(f"feature_noise={self.feature_noise}: a standard deviation, >= 0")
+        if self.eval_every < 0:
+            raise InputError(f"eval_every={self.eval_every}: steps between held-out evaluations, "
+                             ">= 0 (0: none)")
         if self.draft_layers < 1:
             raise InputError(f"draft_layers={self.draft_layers}: the midlayer counts, so >= 1")
         if self.max_tokens is not None and self.max_tokens <= 0:
