@@ -168,3 +168,25 @@ def test_has_match_says_whether_propose_returns_a_continuation():
             index.extend([rng.randrange(vocab)])
             for m in range(0, 12):
                 assert index.has_match(m) == bool(index.propose(4, m)), (vocab, len(index.tokens), m)
+
+
+def test_a_stretch_asked_only_has_match_proposes_what_an_index_kept_current_does():
+    """Tokens appended while only has_match is asked (a plain stretch) reach the trie at the next
+    proposal: every answer and every proposal equals an index that proposed after every token,
+    for match lengths past max_match too, with tokens appended one and several at a time."""
+    rng = random.Random(1)
+    for vocab in (3, 20, 400):
+        lazy, eager = SuffixIndex(), SuffixIndex()
+        seq = [rng.randrange(vocab) for _ in range(500)]
+        i = 0
+        while i < len(seq):
+            block = seq[i:i + rng.choice((1, 1, 1, 3))]
+            i += len(block)
+            lazy.extend(block)
+            eager.extend(block)
+            want = eager.propose(6, 0)
+            for m in (0, 2, 5, 8, 16, 17):
+                assert lazy.has_match(m) == bool(eager.propose(6, m)), (vocab, i, m)
+            if rng.random() < 0.1:
+                assert lazy.propose(6, 0) == want, (vocab, i)
+        assert lazy.propose(6, 0) == eager.propose(6, 0)

@@ -299,9 +299,9 @@ class SpecDecoder:
         """The continuations a suffix-only step would verify now (empty: no match, or no such arm),
         the longest match they continue (0: none) and the block's nodes for it. With several, the
         first (most frequent, longest match) is cut to leave the others a quarter of the budget."""
-        if self.suffix is None or not self.suffix_only_tokens:
-            return [], 0, 0
         shortest = self.policy.suffix_only_min_match
+        if self.suffix is None or not self.suffix_only_tokens or not self.suffix.has_match(shortest):
+            return [], 0, 0       # has_match first: propose indexes the tokens a stretch left
         most = self._within_room(SUFFIX_MAX_FACTOR * self.suffix_only_tokens)
         cands = self.suffix.propose(most, shortest)
         match = max((c.match_len for c in cands), default=0)

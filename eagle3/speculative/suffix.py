@@ -186,23 +186,48 @@ class SuffixIndex:
         # gen-2 pass inside a decode step, which the adaptive step took for a slow arm)
         self.trie = _ContextTrie(min_match, max_match, _Lookup(self.tokens))   # deepcopy-safe too
         self.max_candidates = max_candidates
+        self.indexed = 0                    # tokens[:indexed] are in the trie (`_sync`)
+        self.windows: dict[int, set[tuple[int, ...]]] = {}   # k -> the k-token windows followed by a token
 
     def extend(self, tokens: Iterable[int]) -> None:
+        """Append emitted tokens. The trie takes them when a proposal needs it (`_sync`): a plain
+        stretch asks only `has_match`, answered from the windows, and the trie then indexes the
+        stretch in one pass (each token walked alone between two target forwards found its nodes
+        gone from the CPU caches: ~17 us a step against ~2 us in a pass)."""
+        seq, windows = self.tokens, self.windows
         for tok in tokens:
-            self.tokens.append(int(tok))
-            n = len(self.tokens) - 1
-            self.trie.add(n, min(self.trie.max_match, n))
+            seq.append(int(tok))
+            n = len(seq) - 1                # the token before it now has a next token
+            for k, seen in windows.items():
+                if n >= k:
+                    seen.add(tuple(seq[n - k:n]))
+
+    def _sync(self) -> None:
+        """Index the tokens appended since the last proposal."""
+        trie, n = self.trie, len(self.tokens)
+        for e in range(self.indexed, n):
+            trie.add(e, min(trie.max_match, e))
+        self.indexed = n
 
     def has_match(self, min_match: int = 0) -> bool:
         """Whether propose(n, min_match) would return a continuation (n >= 1), at a fraction of
-        its cost: the adaptive step's plain stretch asks this every step."""
-        return self.trie.reaches(self.tokens, min_match)
+        its cost: the adaptive step's plain stretch asks this every step. The last k tokens
+        (k = max(min_match, the index's min_match)) occurred before with a next token, kept as the
+        set of k-token windows (one per token, made on the first ask for k), so no trie walk."""
+        k, seq = max(min_match, self.trie.min_match), self.tokens
+        if k > self.trie.max_match or k > len(seq):
+            return False
+        seen = self.windows.get(k)
+        if seen is None:
+            seen = self.windows[k] = {tuple(seq[e - k:e]) for e in range(k, len(seq))}
+        return tuple(seq[-k:]) in seen
 
     def propose(self, max_tokens: int = 8, min_match: int = 0) -> list[SuffixCandidate]:
         """Up to max_candidates continuations (distinct first tokens) of matches at least
         `min_match` tokens long (ranked longest first, so the shorter ones are never built)."""
         if max_tokens < 1:
             return []
+        self._sync()
         n, seq = len(self.tokens), self.tokens
         # the own trie holds ends e <= n-1 only (the last token has no next yet): all earlier
         out = []
