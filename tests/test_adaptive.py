@@ -59,6 +59,9 @@ class Scripted:
     def observe(self, arm, step, levels, wall_ms, timed=True):
         self.observed = getattr(self, "observed", []) + [(arm, levels, wall_ms)]
 
+    def observe_stretch(self, wall_ms, timed=True):
+        self.observe(PLAIN, None, 0, wall_ms, timed)
+
     def observe_shadow(self, match, tokens, rows):
         self.shadows = getattr(self, "shadows", []) + [(match, tokens, rows)]
 
@@ -286,6 +289,9 @@ class OracleIndex:
         from eagle3.speculative.suffix import SuffixCandidate
         rest = self.text[self.n:self.n + max_tokens]
         return [SuffixCandidate(rest, 16, 1)] if rest else []
+
+    def has_match(self, min_match: int = 0) -> bool:
+        return self.n < len(self.text)
 
 
 def _suffix_only_run(target, reference, text: list[int], cache_len: int = 128, base: int = 6):

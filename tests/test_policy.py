@@ -471,24 +471,31 @@ def test_every_drafted_step_is_foreseen_a_window_ahead():
 def test_a_plain_stretch_skips_only_choices_that_would_be_plain():
     """plain_run(W) promises plain steps the policy would choose anyway: run with the stretches
     (the decoder asks nothing inside one), the arms taken are step for step those of asking at
-    every step, and the stretches end W steps before each drafted step."""
+    every step, and the stretches end W steps before each drafted step. The stretch's steps are
+    reported as the decoder reports them (observe_stretch, observed at the next choice): the
+    averages and the accounting end as those of observing every step."""
     window = 16
 
     def run(stretches: bool):
         p = AdaptivePolicy((TREE,), TABLE, probe_every=4, max_probe_every=64, probe_share=0.001,
                            draft_probe_every=200)
         arms, left, asked = [], 0, 0
-        for _ in range(2000):
+        for i in range(2000):
+            wall = 10.0 + (i % 7) * 0.5          # plain steps' times vary
             if left:
-                left, arm = left - 1, PLAIN
-            else:
-                arm, asked = p.choose(), asked + 1
+                left = left - 1
+                arms.append(PLAIN)
+                p.observe_stretch(wall)
+                continue
+            arm, asked = p.choose(), asked + 1
             arms.append(arm)
-            feed(p, arm, 0, 7 if arm == TREE else 0, 5 if arm == TREE else 0)
-            if stretches and arm == PLAIN and not left and not p.probing:
+            feed(p, arm, 0, 7 if arm == TREE else 0, 5 if arm == TREE else 0,
+                 wall if arm == PLAIN else None)
+            if stretches and arm == PLAIN and not p.probing:
                 left = p.plain_run(window)
-        return arms, asked
-    (every, asked_every), (stretched, asked) = run(False), run(True)
+        return arms, asked, p.summary()
+    (every, asked_every, summary_every), (stretched, asked, summary) = run(False), run(True)
     assert stretched == every and asked < 0.5 * asked_every
+    assert summary == summary_every
     drafted = [i for i, a in enumerate(every) if a != PLAIN]
     assert len(drafted) >= 10

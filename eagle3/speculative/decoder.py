@@ -259,7 +259,7 @@ class SpecDecoder:
         t0 = time.perf_counter()
         step = self.plain_step(capture=False)
         self._judge_shadow(step.tokens)
-        self.policy.observe(PLAIN, step, 0, 1e3 * (time.perf_counter() - t0), timed=self.timed)
+        self.policy.observe_stretch(1e3 * (time.perf_counter() - t0), timed=self.timed)
         return step
 
     def _judge_shadow(self, tokens: list[int]) -> None:

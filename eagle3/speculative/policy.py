@@ -134,6 +134,7 @@ SAMPLED_PROBE_SHARE = 0.0025   # ... for sampled requests, where plain decoding 
                                # (MT-bench T=1: 0.98x plain; 2.6% of the time in probe steps)
 PLAIN_RUN_STEPS = 64      # a plain stretch the decoder runs without asking (plain_run) ...
 PLAIN_RUN_MARGIN = 1.1    # ... where plain beats every shape by this much
+STRETCH_STEP = Step([0], 0)   # what observe reads of a plain stretch's step (plain's averages are fixed)
 BOUND_AFTER = 3           # an arm's time averages hold a step's sample in bounds after this many
 
 
@@ -232,6 +233,7 @@ class AdaptivePolicy:
         self.rates: dict = {}                  # arm -> rate, until a step changes what it reads
         self.draft_probes = 0                  # drafted steps forced by draft_probe_every
         self._shapes_tried = False             # every shape has had probe_steps steps
+        self.unsettled: list[tuple[float, bool]] = []   # plain stretch steps not yet observed
         if self.probe_steps < 1:
             raise InputError(f"AdaptivePolicy probe_steps must be >= 1, got {self.probe_steps}")
         if not 0.0 <= self.probe_share < 1.0:
@@ -263,6 +265,7 @@ class AdaptivePolicy:
     def choose(self, suffix_ready: bool = False, suffix_match: int = 0) -> Arm:
         """The arm of this step; suffix_match: the length of the match the suffix index continues
         (its class picks the suffix-only averages the step reads and updates)."""
+        self._settle()
         if not suffix_ready and self._plain_holds():
             self.probing = False
             return PLAIN
@@ -302,6 +305,7 @@ class AdaptivePolicy:
         due within them and `window` more steps (the decoder captures the draft's rows over
         those). At most PLAIN_RUN_STEPS. The decoder runs them without asking (`SpecDecoder`'s
         plain stretch) and reports each with `observe`, as any step."""
+        self._settle()
         if not self._plain_holds(PLAIN_RUN_MARGIN):
             return 0
         return max(min(PLAIN_RUN_STEPS, self._next_drafted_in() - window), 0)
@@ -446,6 +450,7 @@ class AdaptivePolicy:
         probe or a forced draft step is due by then. Until then a plain step need not capture the
         target's features for the draft (SpecDecoder.plain_step): the draft restarts from the
         rows captured since (at most decoder.CATCH_UP_WINDOW of them would be read anyway)."""
+        self._settle()
         if not self.shapes:
             return False
         if self.leader is None or self.leader != PLAIN or self.run[1] > 0:
@@ -464,9 +469,25 @@ class AdaptivePolicy:
         """One step taken with `arm`: its Step, the draft forwards it ran, its wall time. timed=False:
         the step ran on a thread count the governor was probing, so its time is not the arm's (its
         tokens, rows and levels still count)."""
-        if wall_ms <= 0:
-            raise InputError(f"AdaptivePolicy.observe wall_ms must be > 0, got {wall_ms}; pass the "
-                             f"step's measured wall time in ms")
+        check_wall_ms(wall_ms)
+        self._settle()
+        self._observe(arm, step, levels, wall_ms, timed)
+
+    def observe_stretch(self, wall_ms: float, timed: bool = True) -> None:
+        """A step of a plain stretch (SpecDecoder's, which plain_run granted): kept as its time
+        until the next call that reads or moves the averages (`_settle`), which observes the
+        stretch's steps in one pass. Observed one at a time, between two target forwards that
+        leave the policy's objects out of the CPU caches, each cost ~10 us (0.2% of a step)."""
+        check_wall_ms(wall_ms)
+        self.unsettled.append((wall_ms, timed))
+
+    def _settle(self) -> None:
+        if self.unsettled:
+            steps, self.unsettled = self.unsettled, []
+            for wall_ms, timed in steps:
+                self._observe(PLAIN, STRETCH_STEP, 0, wall_ms, timed)
+
+    def _observe(self, arm: Arm, step: Step, levels: int, wall_ms: float, timed: bool) -> None:
         self.chosen[name_of(arm)] += 1
         self.spent["probe" if self.probing else kind_of(arm)] += wall_ms
         self.steps += 1
@@ -492,6 +513,7 @@ class AdaptivePolicy:
         emitted `tokens` verifying `rows` rows. It moves its match class's tokens and rows averages
         as a taken block does, not the cost correction (no time was spent), so a class where
         blocks pay is found from the plain steps themselves, without probes."""
+        self._settle()
         stats = self.suffix_classes[match_class(match)]
         stats.tokens.add(tokens)
         stats.rows.add(rows)
@@ -503,12 +525,14 @@ class AdaptivePolicy:
         """A drafting step first ran the draft over `rows` rows that plain or suffix-only steps left
         waiting: the price of returning to drafting (the step's wall time and levels passed to
         `observe` exclude it), kept apart for the summary."""
+        self._settle()
         self.catch_ups.update(count=1, rows=rows, ms=ms)
         self.catch_up.add(ms)
         self.spent["catch-up"] += ms
 
     def summary(self) -> dict:
         """How the choices spread (arm name -> steps), each arm's averages and cost correction."""
+        self._settle()
         return {"chosen": dict(self.chosen), "overhead_ms": round(self.overhead_ms, 3),
                 "spent_ms": {k: round(v, 1) for k, v in self.spent.items()},
                 "draft_probes": self.draft_probes,
@@ -519,6 +543,12 @@ class AdaptivePolicy:
                 "suffix_by_match": {label: _averages(st)
                                     for label, st in zip(suffix_class_labels(), self.suffix_classes)
                                     if st.steps or st.shadows}}
+
+
+def check_wall_ms(wall_ms: float) -> None:
+    if wall_ms <= 0:
+        raise InputError(f"AdaptivePolicy.observe wall_ms must be > 0, got {wall_ms}; pass the "
+                         f"step's measured wall time in ms")
 
 
 def _averages(st: ArmStats, levels: bool = False) -> dict:
