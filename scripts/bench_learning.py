@@ -155,14 +155,18 @@ def serve_phase(args, out: Path, learn_prompts: list[str]) -> None:
 
 
 def wait_learning(args, out: Path, t0: float) -> None:
-    """Until the learner has run and is idle again with nothing pending (or the deadline)."""
+    """Until the learner has run and is idle again with nothing pending, and the server serves the
+    current version (the learner is idle before the server has loaded and swapped in what it
+    published: stopped then, the server never served it), or the deadline."""
+    from eagle3.learn import versions
     from eagle3.learn.learner import pending_tokens
     deadline, ran = time.time() + args.learn_timeout_s, False
     while time.time() < deadline:
         g = gauges(args.port)
         state = next((k for k, v in g.items() if "learner_state" in k and v == 1.0), "")
         ran = ran or "idle" not in state
-        if ran and "idle" in state and pending_tokens(out / "learn") < args.min_tokens:
+        served = g.get("eagle3:learn_draft_version") == versions.current(out / "learn")
+        if ran and "idle" in state and served and pending_tokens(out / "learn") < args.min_tokens:
             break
         if "failed" in state:
             print("the learner failed: see", out / "learn" / "learner" / "learner.log")
