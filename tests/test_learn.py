@@ -275,17 +275,20 @@ def test_a_rejected_candidate_keeps_its_weights_but_not_the_service(learn_dir, o
 
 
 def test_a_served_draft_is_fine_tuned_gently_and_a_first_draft_is_not(tmp_path):
-    """The round's peak lr: FINE_TUNE_LR when it starts from a served draft (3e-4 first undid what
-    the shipped draft knew), FIRST_DRAFT_LR for a first draft; a configured lr wins over both."""
-    from eagle3.learn.learner import FIRST_DRAFT_LR, FINE_TUNE_LR, LearnConfig, train_config
+    """The round's peak lr and epochs: FINE_TUNE_LR and FINE_TUNE_EPOCHS when it starts from a
+    served draft (3e-4 first undid what the shipped draft knew), FIRST_DRAFT_LR and the more
+    passes of FIRST_DRAFT_EPOCHS for a first draft; configured values win over both."""
+    from eagle3.learn.learner import (FINE_TUNE_EPOCHS, FINE_TUNE_LR, FIRST_DRAFT_EPOCHS, FIRST_DRAFT_LR,
+                                      LearnConfig, train_config)
     served, held = tmp_path / "v0", tmp_path / "h.jsonl"
 
     def config(served, **kw):
         return train_config(LearnConfig(str(tmp_path), **kw), tmp_path / "r", [tmp_path / "t.jsonl"], held, served)
     tune, first = config(served), config(None)
-    assert (tune.lr, tune.init_from) == (FINE_TUNE_LR, str(served))
-    assert (first.lr, first.init_from) == (FIRST_DRAFT_LR, None) and FINE_TUNE_LR < FIRST_DRAFT_LR
-    set_lr = config(served, lr=1e-4)
-    assert set_lr.lr == 1e-4 and set_lr.eval_every == 0       # the gate alone reads the held-out part
+    assert (tune.lr, tune.epochs, tune.init_from) == (FINE_TUNE_LR, FINE_TUNE_EPOCHS, str(served))
+    assert (first.lr, first.epochs, first.init_from) == (FIRST_DRAFT_LR, FIRST_DRAFT_EPOCHS, None)
+    assert FINE_TUNE_LR < FIRST_DRAFT_LR and FINE_TUNE_EPOCHS < FIRST_DRAFT_EPOCHS
+    set_lr = config(served, lr=1e-4, epochs=5)
+    assert (set_lr.lr, set_lr.epochs) == (1e-4, 5) and set_lr.eval_every == 0   # the gate alone reads the held-out part
     curve = config(served, eval_every=16)
     assert curve.eval_every == 16 and curve.eval_data == str(held)

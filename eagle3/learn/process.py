@@ -22,7 +22,8 @@ def add_learn_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--replay", default=None, help="general conversations (regenerated data JSONL) "
                     "mixed into every round")
     ap.add_argument("--replay-share", type=float, default=LearnConfig.replay_share)
-    ap.add_argument("--epochs", type=int, default=LearnConfig.epochs)
+    ap.add_argument("--epochs", type=int, default=None,
+                    help="passes over a round's data (default: 3 fine-tuning a served draft, 12 for a first draft)")
     ap.add_argument("--lr", type=float, default=None,
                     help="peak lr (default: 5e-5 fine-tuning a served draft, 3e-4 for a first draft)")
     ap.add_argument("--margin", type=float, default=LearnConfig.margin)
