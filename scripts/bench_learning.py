@@ -156,8 +156,8 @@ def serve_phase(args, out: Path, learn_prompts: list[str]) -> None:
 
 def wait_learning(args, out: Path, t0: float) -> None:
     """Until the learner has run and is idle again with nothing pending, and the server serves the
-    current version (the learner is idle before the server has loaded and swapped in what it
-    published: stopped then, the server never served it), or the deadline."""
+    current version (a published version loads and swaps in after the learner exits: stopped
+    then, the server never served it), or the deadline."""
     from eagle3.learn import versions
     from eagle3.learn.learner import pending_tokens
     deadline, ran = time.time() + args.learn_timeout_s, False

@@ -159,6 +159,22 @@ def test_a_better_version_is_kept(tmp_path):
     assert learn.version == 1 and learn.rollbacks == 0 and learn.watch is None
 
 
+def test_the_learner_state_reads_swapping_until_the_new_version_serves(tmp_path):
+    """A finished learner is not yet a served version: while the version loads and swaps in, the
+    state reads swapping (a client that took idle for done stopped the server before its swap)."""
+    learn = controller(tmp_path)
+    engine = SimpleNamespace(draft="x", monitor=FakeMonitor())
+    seen = []
+    learn.attach(engine, None, lambda task: (seen.append(("engine", learn.snapshot()["learner_state"])), task()))
+    versions.write_card(tmp_path, 1, {"status": "served"})
+    (versions.drafts_dir(tmp_path) / "v1" / "config.json").write_text("{}")
+    learn.load_layout = lambda path: seen.append(("load", learn.snapshot()["learner_state"])) or "new"
+    versions.set_current(tmp_path, 1)
+    learn.poll()
+    assert seen == [("load", "swapping"), ("engine", "swapping")]
+    assert learn.version == 1 and learn.snapshot()["learner_state"] == "idle"
+
+
 def test_a_directory_of_another_target_serves_without_learning(tmp_path, caplog):
     from eagle3.serve.cli import learn_controller
     controller(tmp_path).stop()

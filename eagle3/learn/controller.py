@@ -31,7 +31,7 @@ from .learner import pause_path, pending_tokens
 
 log = logging.getLogger("eagle3.learn")
 
-LEARNER_STATES = ("idle", "running", "paused", "failed")
+LEARNER_STATES = ("idle", "running", "paused", "failed", "swapping")   # swapping: a version loads
 
 
 class LearnOptions(NamedTuple):
@@ -207,7 +207,17 @@ class LearnController:
         self.swap_to(cur, watch=True)
 
     def swap_to(self, version: int, watch: bool) -> None:
-        """Load `version`'s draft here (this thread), swap it in on the engine thread."""
+        """Load `version`'s draft here (this thread), swap it in on the engine thread. The learner
+        state reads `swapping` until it serves: a finished learner read `idle` while a first draft's
+        costs were still measured, and a client that took that for done stopped the server first."""
+        before, self.learner_state = self.learner_state, "swapping"
+        try:
+            self._swap_to(version, watch)
+        finally:
+            if self.learner_state == "swapping":
+                self.learner_state = before
+
+    def _swap_to(self, version: int, watch: bool) -> None:
         path = versions.draft_path(self.root, version)
         try:
             layout = self.load_layout(path) if path is not None else None

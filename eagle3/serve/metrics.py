@@ -23,7 +23,7 @@
 | eagle3:spec_decode_draft_accepted_tokens_total | counter | draft tokens the draft itself proposed and the target accepted |
 | eagle3:learn_draft_version, eagle3:learn_swaps, eagle3:learn_rollbacks | gauge | `--learn`: the served draft version (DIR/drafts/vN), swaps and rollbacks since start |
 | eagle3:learn_captured_tokens | gauge | `--learn`: tokens in the captured traffic shards written |
-| eagle3:learn_learner_state{state} | gauge | `--learn`: 1 for the learner's state (idle, running, paused, failed) |
+| eagle3:learn_learner_state{state} | gauge | `--learn`: 1 for the learner's state (idle, running, paused, failed, swapping: a new version loads) |
 | eagle3:batch_speculation_on | gauge | `--max-batch` > 1 with a draft: 1 while the batch gate lets the batch speculate |
 | eagle3:batch_gate_efficiency | gauge | the gate's rolling tokens/s of speculative steps over plain decoding's |
 | eagle3:batch_gate_steps{kind} | gauge | batch steps the gate judged: on (speculative), off (plain), checks (plain, while on), probes, switches_off |
