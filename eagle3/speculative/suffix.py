@@ -127,22 +127,6 @@ class _ContextTrie:
             depth += 1
         return depth
 
-    def reaches(self, context: Sequence[int], length: int) -> bool:
-        """Whether a suffix of `context` at least `length` (and min_match) long was seen before
-        with a next token: matches() would hold one. Walks `length` levels and builds nothing."""
-        length = max(length, self.min_match)
-        node = self.root
-        for d in range(1, min(self.max_match, len(context)) + 1):
-            child = node.older.get(context[-d])
-            if child is None:
-                return False
-            if isinstance(child, _Tail):
-                return self._tail_match(child, context, d) >= length
-            if d >= length:
-                return True          # a node at depth >= min_match always holds statistics
-            node = child
-        return False
-
     def ranked(self, context: Sequence[int], limit: int, exclude: set[int]):
         """Up to `limit` (L, next token, count, latest end), by the module docstring's order."""
         out, seen = [], set(exclude)
@@ -209,7 +193,7 @@ class SuffixIndex:
             self._sync()
 
     def _sync(self) -> None:
-        """Index the tokens appended since the last proposal."""
+        """Index the tokens appended since the trie last took any (a proposal, or SYNC_EVERY)."""
         trie, n = self.trie, len(self.tokens)
         for e in range(self.indexed, n):
             trie.add(e, min(trie.max_match, e))
